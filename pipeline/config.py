@@ -1,0 +1,368 @@
+"""Run configuration: one frozen dataclass per component, composed into `RunConfig`.
+
+Loaded from YAML (`load_config("configs/demo.yaml", ["trainer.lr=3e-4"])`), overridable
+from the command line and from Airflow Params with dotted keys. Every field is
+validated on construction; a bad value raises `ConfigError` naming the field and what
+is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}={value!r} is invalid; allowed: {allowed}")
+
+
+def _one_of(name: str, value: Any, choices: Iterable[str]) -> None:
+    choices = tuple(choices)
+    _check(value in choices, name, value, "one of " + ", ".join(map(repr, choices)))
+
+
+# Named model sizes. Field names follow Hugging Face's LlamaConfig/Qwen2Config.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
+    "demo": dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=384),
+    "100m": dict(
+        hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer of the Llama/Qwen2 family."""
+
+    preset: str = "tiny"
+    vocab_size: int = 64
+    hidden_size: int = 0  # 0: take the preset's value
+    num_layers: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    intermediate_size: int = 0
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False  # True for Qwen2
+    tie_embeddings: bool = True
+    max_seq_len: int = 256
+    dtype: str = "float32"  # activation/compute dtype; params stay float32
+
+    def __post_init__(self) -> None:
+        _one_of("model.preset", self.preset, MODEL_PRESETS)
+        preset = MODEL_PRESETS[self.preset]
+        for key, value in preset.items():
+            if getattr(self, key) == 0:
+                object.__setattr__(self, key, value)
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+            _check(getattr(self, name) > 0, f"model.{name}", getattr(self, name), "> 0")
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            "model.num_kv_heads",
+            self.num_kv_heads,
+            f"a divisor of num_heads={self.num_heads}",
+        )
+        _check(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "an even number (RoPE)")
+        _one_of("model.dtype", self.dtype, ("float32", "bfloat16"))
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Which verifiable task families make up the problem mix, and how hard they are."""
+
+    families: tuple[str, ...] = ("arithmetic", "countdown")
+    weights: tuple[float, ...] = (0.75, 0.25)
+    seed: int = 0
+    num_train: int = 20000
+    num_eval: int = 500
+    min_digits: int = 2
+    max_digits: int = 6
+    countdown_numbers: int = 3
+
+    def __post_init__(self) -> None:
+        from pipeline.tasks import TASKS  # the registry; light import
+
+        _check(len(self.families) > 0, "task.families", self.families, "a non-empty list")
+        for fam in self.families:
+            _one_of("task.families", fam, TASKS)
+        _check(
+            len(self.weights) == len(self.families) and all(w > 0 for w in self.weights),
+            "task.weights",
+            self.weights,
+            f"{len(self.families)} positive numbers, one per family",
+        )
+        _check(self.num_train > 0, "task.num_train", self.num_train, "> 0")
+        _check(self.num_eval > 0, "task.num_eval", self.num_eval, "> 0")
+        _check(1 <= self.min_digits <= self.max_digits, "task.min_digits", self.min_digits,
+               f"1 <= min_digits <= max_digits={self.max_digits}")
+        _check(2 <= self.countdown_numbers <= 5, "task.countdown_numbers",
+               self.countdown_numbers, "2..5")
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Bootstrap of the base model on a noisy teacher's worked solutions."""
+
+    steps: int = 600
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    # The teacher's systematic mistake: each carry is dropped with this probability.
+    carry_drop_prob: float = 0.4
+    # Fraction of countdown demonstrations whose final step is wrong.
+    countdown_error_prob: float = 0.3
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 0, "sft.steps", self.steps, ">= 0")
+        _check(self.batch_size > 0, "sft.batch_size", self.batch_size, "> 0")
+        _check(self.lr > 0, "sft.lr", self.lr, "> 0")
+        _check(0 <= self.carry_drop_prob < 1, "sft.carry_drop_prob", self.carry_drop_prob, "[0, 1)")
+        _check(0 <= self.countdown_error_prob < 1, "sft.countdown_error_prob",
+               self.countdown_error_prob, "[0, 1)")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Generation settings of the rollout workers."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    max_new_tokens: int = 96
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, "sampler.temperature", self.temperature, ">= 0")
+        _check(self.top_k >= 0, "sampler.top_k", self.top_k, ">= 0 (0 disables)")
+        _check(0 < self.top_p <= 1, "sampler.top_p", self.top_p, "(0, 1]")
+        _check(self.max_new_tokens > 0, "sampler.max_new_tokens", self.max_new_tokens, "> 0")
+        _one_of("sampler.dtype", self.dtype, ("float32", "bfloat16"))
+
+
+ALGORITHMS = ("grpo",)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The RL trainer. Symbols follow the GRPO paper (Shao et al., 2024)."""
+
+    algorithm: str = "grpo"
+    steps: int = 40
+    lr: float = 5e-5
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2  # epsilon of the clipped ratio
+    adv_eps: float = 1e-6  # added to the group std when normalising
+    publish_every: int = 1
+    checkpoint_every: int = 10
+    max_staleness: int = 0  # versions; 0 = synchronous on-policy
+    micro_batch: int = 0  # 0: whole batch in one pass
+
+    def __post_init__(self) -> None:
+        _one_of("trainer.algorithm", self.algorithm, ALGORITHMS)
+        _check(self.steps >= 0, "trainer.steps", self.steps, ">= 0")
+        _check(self.lr > 0, "trainer.lr", self.lr, "> 0")
+        _check(self.grad_clip > 0, "trainer.grad_clip", self.grad_clip, "> 0")
+        _check(0 < self.clip_eps < 1, "trainer.clip_eps", self.clip_eps, "(0, 1)")
+        _check(self.publish_every >= 1, "trainer.publish_every", self.publish_every, ">= 1")
+        _check(self.checkpoint_every >= 1, "trainer.checkpoint_every", self.checkpoint_every,
+               ">= 1")
+        _check(self.max_staleness >= 0, "trainer.max_staleness", self.max_staleness, ">= 0")
+        _check(self.micro_batch >= 0, "trainer.micro_batch", self.micro_batch, ">= 0")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Rollout workers: G samples for each of `prompts_per_batch` prompts per batch."""
+
+    prompts_per_batch: int = 32
+    group_size: int = 8  # G
+    lease_seconds: float = 120.0
+    poll_seconds: float = 0.2
+
+    def __post_init__(self) -> None:
+        _check(self.prompts_per_batch > 0, "rollout.prompts_per_batch", self.prompts_per_batch,
+               "> 0")
+        _check(self.group_size >= 1, "rollout.group_size", self.group_size, ">= 1")
+        _check(self.lease_seconds > 0, "rollout.lease_seconds", self.lease_seconds, "> 0")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation of each published version."""
+
+    num_problems: int = 500
+    num_samples: int = 8  # n samples per problem; pass@k needs n >= k
+    ks: tuple[int, ...] = (1, 8)
+    temperature: float = 1.0
+    bootstrap: int = 1000
+    batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        _check(self.num_problems > 0, "eval.num_problems", self.num_problems, "> 0")
+        _check(all(1 <= k <= self.num_samples for k in self.ks), "eval.ks", self.ks,
+               f"integers in [1, num_samples={self.num_samples}]")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Where runs live: a local directory or gs://bucket/prefix."""
+
+    root: str = "runs"
+
+    def __post_init__(self) -> None:
+        _check(bool(self.root), "storage.root", self.root, "a local path or gs://bucket/prefix")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int = 0
+    workers: int = 2
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.workers >= 1, "workers", self.workers, ">= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """A stable hash of the whole config (stored in checkpoints)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=list).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Convert a YAML/CLI value to the annotated type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{name} must be a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, prefix=name + ".")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            value = [value]
+        (item_tp, _) = typing.get_args(tp)
+        return tuple(_coerce(v, item_tp, name) for v in value)
+    if origin in (typing.Union, types.UnionType):
+        return value
+    try:
+        if tp is bool:
+            if isinstance(value, str):
+                low = value.lower()
+                if low not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return low in ("true", "1", "yes")
+            return bool(value)
+        if tp is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if tp is float:
+            return float(value)
+        if tp is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is invalid; allowed: a {tp.__name__}") from None
+    return value
+
+
+def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from a (nested) mapping, rejecting unknown keys."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(
+                f"unknown config key {prefix}{key!r}; allowed: {', '.join(names)}"
+            )
+        kwargs[key] = _coerce(value, hints[key], prefix + key)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
+    """`["trainer.lr=3e-4", "task.families=arithmetic"]` -> nested dict."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    extra: Mapping[str, Any] | None = None,
+) -> RunConfig:
+    """Load a YAML run config, then apply a mapping (`extra`) and dotted overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist (see configs/ for examples)")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
+        data = loaded
+    if extra:
+        data = _merge(data, extra)
+    data = _merge(data, parse_overrides(overrides))
+    return from_dict(RunConfig, data)
+
+
+def config_from_json(text: str) -> RunConfig:
+    return from_dict(RunConfig, json.loads(text))
