@@ -1,0 +1,359 @@
+"""Decoder-only transformer of the Llama/Qwen2 family in Flax NNX.
+
+Architecture (Hugging Face `LlamaForCausalLM` / `Qwen2ForCausalLM`): token embedding,
+`num_layers` pre-norm blocks (RMSNorm -> grouped-query attention with RoPE -> residual,
+RMSNorm -> SwiGLU MLP -> residual), final RMSNorm, LM head (or the tied embedding).
+
+Parameter layout. Module attribute names mirror HF so an importer is a pure renaming plus
+transposition. The flat names used by `flat_params` / `load_flat_params` (and stored by the
+parameter server) are the NNX attribute paths joined with dots:
+
+    embed_tokens.embedding                    [vocab, hidden]      HF model.embed_tokens.weight
+    layers.{i}.input_layernorm.weight         [hidden]             HF model.layers.{i}.input_layernorm.weight
+    layers.{i}.self_attn.q_proj.kernel        [hidden, heads*hd]   HF ...q_proj.weight, transposed
+    layers.{i}.self_attn.q_proj.bias          [heads*hd]           only when qkv_bias (Qwen2)
+    layers.{i}.self_attn.{k,v}_proj.kernel    [hidden, kv*hd]      (+ .bias when qkv_bias)
+    layers.{i}.self_attn.o_proj.kernel        [heads*hd, hidden]
+    layers.{i}.post_attention_layernorm.weight[hidden]
+    layers.{i}.mlp.{gate,up}_proj.kernel      [hidden, inter]
+    layers.{i}.mlp.down_proj.kernel           [inter, hidden]
+    norm.weight                               [hidden]             HF model.norm.weight
+    lm_head.kernel                            [hidden, vocab]      HF lm_head.weight, transposed;
+                                                                   absent when tie_embeddings
+
+Linear kernels are stored [in, out] (the Flax convention, `y = x @ kernel`); HF stores
+`weight` as [out, in], so the importer transposes every `*.kernel`. Parameters are always
+float32; `cfg.dtype == "bfloat16"` casts activations and weights for the matmuls only.
+
+Token layout and masking follow docs/CONVENTIONS.md: positions are
+`max(cumsum(mask) - 1, 0)` and query i sees key j iff j <= i and mask[j] == 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pipeline.config import ModelConfig
+
+DTYPES: dict[str, jnp.dtype] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+INIT_STD = 0.02
+# Masked attention scores: finite so a query that sees no key (a left-pad query) yields a
+# uniform softmax instead of NaN; its output is never used.
+_MASKED = -1e30
+
+
+def _dtype(name: str) -> jnp.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is invalid; allowed: {', '.join(map(repr, DTYPES))}")
+    return DTYPES[name]
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class KVCache:
+    """Preallocated keys/values of every layer plus the mask of the key slots.
+
+    k, v: [layers, batch, max_len, kv_heads, head_dim] (post-RoPE keys, like HF);
+    mask: [batch, max_len] int32, 1 where the slot holds a real token.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    mask: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> KVCache:
+    """An empty cache; `dtype` defaults to the model's compute dtype."""
+    dt = _dtype(dtype or cfg.dtype)
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), mask=jnp.zeros((batch, max_len), jnp.int32)
+    )
+
+
+# --------------------------------------------------------------------------- pure math
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF RMSNorm: computed in float32, returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [B, T, 1, head_dim] in HF's layout (frequencies repeated, not interleaved)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] (HF convention)."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel stored [in, out] (HF's weight transposed)."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float, rngs: nnx.Rngs):
+        self.kernel = _normal(rngs, (d_in, d_out), std)
+        self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...].astype(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(x.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs):
+        self.embedding = _normal(rngs, (vocab, dim), INIT_STD)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        out_std = INIT_STD / math.sqrt(2 * cfg.num_layers)  # GPT-2 style residual scaling
+        self.q_proj = Linear(h, nh * hd, bias=cfg.qkv_bias, std=INIT_STD, rngs=rngs)
+        self.k_proj = Linear(h, nkv * hd, bias=cfg.qkv_bias, std=INIT_STD, rngs=rngs)
+        self.v_proj = Linear(h, nkv * hd, bias=cfg.qkv_bias, std=INIT_STD, rngs=rngs)
+        self.o_proj = Linear(nh * hd, h, bias=False, std=out_std, rngs=rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        visible: jax.Array,
+        cache_kv: tuple[jax.Array, jax.Array, int, jax.Array] | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """visible: [B, T, S] bool. cache_kv: (k_all, v_all, layer, slot) or None."""
+        b, t, _ = x.shape
+        nkv, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, hd), cos, sin)
+        k = apply_rope(self.k_proj(x).reshape(b, t, nkv, hd), cos, sin)
+        v = self.v_proj(x).reshape(b, t, nkv, hd)
+        new_cache = None
+        if cache_kv is not None:
+            k_all, v_all, layer, slot = cache_kv
+            start = (layer, 0, slot, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+            new_cache = (k_all, v_all)
+            k, v = k_all[layer].astype(x.dtype), v_all[layer].astype(x.dtype)
+        q = q.reshape(b, t, nkv, g, hd)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(hd)
+        scores = jnp.where(visible[:, None, None], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, self.num_heads * hd)
+        return self.o_proj(out), new_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        out_std = INIT_STD / math.sqrt(2 * cfg.num_layers)
+        self.gate_proj = Linear(h, i, bias=False, std=INIT_STD, rngs=rngs)
+        self.up_proj = Linear(h, i, bias=False, std=INIT_STD, rngs=rngs)
+        self.down_proj = Linear(i, h, bias=False, std=out_std, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, cos, sin, visible, cache_kv):
+        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, visible, cache_kv)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_cache
+
+
+class Transformer(nnx.Module):
+    """Llama/Qwen2-style causal LM. See the module docstring for parameter names."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(
+                cfg.hidden_size, cfg.vocab_size, bias=False, std=INIT_STD, rngs=rngs
+            )
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | int | None = None,
+        *,
+        dtype: str | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Logits float32 [B, T, V] and the updated cache (None when `cache` is None).
+
+        tokens, positions, mask: [B, T] ints. Without a cache, query i sees key j iff
+        j <= i and mask[j] == 1. With a cache, the T tokens are written at slots
+        `cache_index .. cache_index + T - 1` (their mask into `cache.mask`) and query i sees
+        every cache slot j <= cache_index + i whose mask is 1. `dtype` overrides cfg.dtype.
+        """
+        cdt = _dtype(dtype or self.cfg.dtype)
+        b, t = tokens.shape
+        mask = mask.astype(jnp.int32)
+        x = self.embed_tokens(tokens).astype(cdt)
+        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        if cache is None:
+            key_mask, slot = mask, jnp.int32(0)
+            n_keys = t
+        else:
+            slot = jnp.asarray(0 if cache_index is None else cache_index, jnp.int32)
+            key_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (jnp.int32(0), slot))
+            n_keys = cache.max_len
+        q_slot = slot + jnp.arange(t, dtype=jnp.int32)
+        k_slot = jnp.arange(n_keys, dtype=jnp.int32)
+        visible = (k_slot[None, None, :] <= q_slot[None, :, None]) & (key_mask[:, None, :] > 0)
+
+        k_all = v_all = None
+        if cache is not None:
+            k_all, v_all = cache.k, cache.v
+        for i, layer in enumerate(self.layers):
+            cache_kv = None if cache is None else (k_all, v_all, i, slot)
+            x, new_kv = layer(x, cos, sin, visible, cache_kv)
+            if new_kv is not None:
+                k_all, v_all = new_kv
+        x = self.norm(x)
+        if self.lm_head is None:
+            logits = x @ self.embed_tokens.embedding[...].astype(cdt).T
+        else:
+            logits = self.lm_head(x)
+        new_cache = None if cache is None else KVCache(k=k_all, v=v_all, mask=key_mask)
+        return logits.astype(jnp.float32), new_cache
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def init_model(cfg: ModelConfig, seed: int) -> Transformer:
+    """A freshly initialised model; identical parameters for the same (cfg, seed)."""
+    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Number of parameters, computed from the config alone."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if cfg.qkv_bias else 0)
+    layer = attn + 3 * h * i + 2 * h
+    return v * h + cfg.num_layers * layer + h + (0 if cfg.tie_embeddings else h * v)
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """CONVENTIONS.md: positions = max(cumsum(mask) - 1, 0)."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def sequence_logprobs(
+    model: Transformer, tokens: jax.Array, mask: jax.Array, temperature: float | jax.Array = 1.0
+) -> jax.Array:
+    """[B, T] float32: out[:, t] = log p(tokens[:, t] | tokens[:, :t]) under
+    softmax(logits / temperature) (raw logits when temperature == 0); out[:, 0] = 0 and
+    out = 0 where mask == 0. Jit-able and differentiable w.r.t. the model's parameters."""
+    tokens = jnp.asarray(tokens)
+    mask = jnp.asarray(mask).astype(jnp.int32)
+    logits, _ = model(tokens, positions_from_mask(mask), mask)
+    temp = jnp.asarray(temperature, jnp.float32)
+    temp = jnp.where(temp > 0, temp, 1.0)
+    logp = jax.nn.log_softmax(logits[:, :-1] / temp, axis=-1)
+    picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    out = jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1)
+    return jnp.where(mask > 0, out, 0.0)
+
+
+def _param_items(model: nnx.Module):
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        yield ".".join(str(p) for p in path), var
+
+
+def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    """{dotted name: float32 array} (names in the module docstring). Copies to host."""
+    return {name: np.asarray(jax.device_get(var[...])) for name, var in _param_items(model)}
+
+
+def load_flat_params(model: nnx.Module, flat: dict[str, np.ndarray]) -> None:
+    """Replace the model's parameters in place with `flat` (as made by `flat_params`).
+
+    Every name must be present with the exact shape; values are cast to the parameter's
+    dtype (float32). Raises ValueError listing missing, unexpected and mis-shaped tensors.
+    """
+    items = dict(_param_items(model))
+    missing = sorted(set(items) - set(flat))
+    unexpected = sorted(set(flat) - set(items))
+    misshaped = [
+        f"{name}: got {tuple(np.shape(flat[name]))}, expected {tuple(var[...].shape)}"
+        for name, var in items.items()
+        if name in flat and tuple(np.shape(flat[name])) != tuple(var[...].shape)
+    ]
+    if missing or unexpected or misshaped:
+        parts = []
+        if missing:
+            parts.append("missing: " + ", ".join(missing))
+        if unexpected:
+            parts.append("unexpected: " + ", ".join(unexpected))
+        if misshaped:
+            parts.append("mis-shaped: " + "; ".join(misshaped))
+        raise ValueError(
+            "load_flat_params: the tensors do not match the model's parameters; "
+            + " | ".join(parts)
+        )
+    for name, var in items.items():
+        var.set_value(jnp.asarray(flat[name], dtype=var[...].dtype))

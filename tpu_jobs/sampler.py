@@ -1,0 +1,320 @@
+"""Batched autoregressive sampling with a KV cache, the whole decode loop inside one jit.
+
+Prompts of different lengths are left-padded to a common length (CONVENTIONS.md token
+layout), so every row writes its next token into the same cache slot and one scalar
+`cache_index` drives the cache. Batch size, prompt length and the number of new tokens are
+padded up to buckets so each bucket compiles once; temperature, top-k and top-p values are
+traced (changing them never recompiles; only switching top-k / top-p on or off does).
+
+Randomness: the token of row r at step s is drawn with `fold_in(keys[r], s)`, so a row's
+output depends only on its own key and prompt, never on its position in the batch or on
+the other rows (up to float rounding differences between shape buckets).
+
+Log-probs are those of the emitted tokens under softmax(logits / temperature) (raw logits
+when temperature == 0), before top-k / top-p filtering. Top-p is applied to the
+top-k-filtered, renormalised distribution (HF order: temperature, top-k, top-p); tokens
+tied with the smallest kept logit are kept.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pipeline.config import ModelConfig
+from tpu_jobs.model import DTYPES, KVCache, Transformer, init_cache, positions_from_mask
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
+DEFAULT_NEW_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class SampleResult:
+    """tokens: [B, max_new] int32, PAD after EOS; logprobs: [B, max_new] float32, 0 after
+    EOS; lengths: [B] generated tokens including the EOS if any; finished: [B] EOS emitted."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    finished: np.ndarray
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket >= n; beyond the largest, the next multiple of the largest."""
+    for b in sorted(buckets):
+        if b >= n:
+            return b
+    top = max(buckets)
+    return -(-n // top) * top
+
+
+# --------------------------------------------------------------------------- pure math
+
+
+def filter_logits(
+    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, *, use_top_k: bool, use_top_p: bool
+) -> jax.Array:
+    """Set logits outside the top-k / nucleus (top-p) set to -inf. scaled: [B, V]."""
+    if not (use_top_k or use_top_p):
+        return scaled
+    vocab = scaled.shape[-1]
+    desc = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
+    threshold = jnp.full(scaled.shape[:-1], -jnp.inf, scaled.dtype)
+    if use_top_k:
+        k = jnp.clip(top_k, 1, vocab).astype(jnp.int32)
+        threshold = jnp.take(desc, k - 1, axis=-1)
+        desc = jnp.where(desc >= threshold[:, None], desc, -jnp.inf)
+    if use_top_p:
+        probs = jax.nn.softmax(desc, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+        keep = before < top_p
+        keep = keep.at[:, 0].set(True)  # the most likely token always survives
+        n_keep = jnp.sum(keep, axis=-1)
+        threshold = jnp.maximum(threshold, jnp.take_along_axis(desc, n_keep[:, None] - 1, -1)[:, 0])
+    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+
+
+def sample_step(
+    logits: jax.Array,
+    keys: jax.Array,
+    step: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    *,
+    use_top_k: bool,
+    use_top_p: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """(token [B] int32, log-prob [B] float32) from next-token logits [B, V] float32."""
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    filtered = filter_logits(scaled, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+    sampled = jax.vmap(jax.random.categorical)(step_keys, filtered)
+    token = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def _generate(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens: jax.Array,
+    mask: jax.Array,
+    keys: jax.Array,
+    cache: KVCache,
+    max_new: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    *,
+    n_new: int,
+    dtype: str,
+    use_top_k: bool,
+    use_top_p: bool,
+    eos_id: int,
+    pad_id: int,
+):
+    """Prefill + while_loop decode. Returns (tokens, logprobs, lengths, finished, cache)."""
+    cdt = DTYPES[dtype]
+    # Cast the weights once, outside the loop, so the body does not re-cast every step.
+    state = jax.tree.map(lambda a: a.astype(cdt) if a.dtype != cdt else a, state)
+    model = nnx.merge(graphdef, state)
+    b, p = tokens.shape
+    sample = functools.partial(
+        sample_step,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        use_top_k=use_top_k,
+        use_top_p=use_top_p,
+    )
+
+    # The cache buffer is reused between calls: stale keys are hidden by a fresh mask.
+    cache = KVCache(k=cache.k, v=cache.v, mask=jnp.zeros_like(cache.mask))
+    logits, cache = model(tokens, positions_from_mask(mask), mask, cache, 0, dtype=dtype)
+    token, logp = sample(logits[:, -1], keys, jnp.int32(0))
+    out_tok = jnp.full((b, n_new), pad_id, jnp.int32).at[:, 0].set(token)
+    out_lp = jnp.zeros((b, n_new), jnp.float32).at[:, 0].set(logp)
+    done = token == eos_id
+    lengths = jnp.ones((b,), jnp.int32)
+    pos = jnp.sum(mask, axis=-1).astype(jnp.int32)  # position of `token`
+    ones = jnp.ones((b, 1), jnp.int32)
+
+    def cond(carry):
+        step, *_, done, _ = carry
+        return (step < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        step, cache, token, pos, out_tok, out_lp, done, lengths = carry
+        # Feed the previous token (slot p + step - 1), then sample this step's token.
+        logits, cache = model(token[:, None], pos[:, None], ones, cache, p + step - 1, dtype=dtype)
+        new, logp = sample(logits[:, 0], keys, step)
+        new = jnp.where(done, pad_id, new)
+        logp = jnp.where(done, 0.0, logp)
+        out_tok = jax.lax.dynamic_update_slice(out_tok, new[:, None], (0, step))
+        out_lp = jax.lax.dynamic_update_slice(out_lp, logp[:, None], (0, step))
+        lengths = lengths + (~done).astype(jnp.int32)
+        done = done | (new == eos_id)
+        return step + 1, cache, new, pos + 1, out_tok, out_lp, done, lengths
+
+    carry = (jnp.int32(1), cache, token, pos, out_tok, out_lp, done, lengths)
+    _, cache, _, _, out_tok, out_lp, done, lengths = jax.lax.while_loop(cond, body, carry)
+    return out_tok, out_lp, lengths, done, cache
+
+
+def _as_keys(keys: jax.Array, n: int) -> jax.Array:
+    """Typed PRNG keys [n] from typed keys [n] or raw uint32 key data [n, 2]."""
+    if isinstance(keys, jax.Array) and jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
+        typed = keys
+    else:
+        raw = np.asarray(keys)
+        if raw.dtype != np.uint32 or raw.ndim != 2:
+            raise ValueError(
+                f"keys of dtype {raw.dtype} and shape {raw.shape} are invalid; allowed: typed "
+                "PRNG keys of shape [B] (jax.random.key) or uint32 key data of shape [B, 2]"
+            )
+        typed = jax.random.wrap_key_data(jnp.asarray(raw))
+    if typed.shape != (n,):
+        raise ValueError(
+            f"keys must hold one key per prompt: got shape {typed.shape}, expected ({n},)"
+        )
+    return typed
+
+
+class Sampler:
+    """Compiles one generation program per (batch, prompt, new-token) bucket and settings.
+
+    Weights are passed as state (not baked in as constants), so swapping weights never
+    recompiles. `generate(model, ...)` splits the model on each call (~0.1 ms); callers
+    that reuse one weight version may call `set_weights(model)` once and pass model=None.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        pad_id: int = 0,
+        eos_id: int = 2,
+        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+        new_token_buckets: Sequence[int] = DEFAULT_NEW_TOKEN_BUCKETS,
+    ):
+        for name, buckets in (
+            ("batch_buckets", batch_buckets),
+            ("prompt_buckets", prompt_buckets),
+            ("new_token_buckets", new_token_buckets),
+        ):
+            if not buckets or any(int(b) <= 0 for b in buckets):
+                raise ValueError(f"{name}={buckets!r} is invalid; allowed: positive integers")
+        self.cfg = cfg
+        self.pad_id, self.eos_id = int(pad_id), int(eos_id)
+        self.batch_buckets = tuple(sorted(int(b) for b in batch_buckets))
+        self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
+        self.new_token_buckets = tuple(sorted(int(b) for b in new_token_buckets))
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
+        self._caches: dict[tuple, KVCache] = {}  # donated in, returned out, reused
+        self._weights: tuple[nnx.GraphDef, nnx.State] | None = None
+
+    @property
+    def compile_count(self) -> int:
+        """Number of programs compiled so far (one per bucket/settings combination)."""
+        return len(self._compiled)
+
+    def set_weights(self, model: Transformer) -> None:
+        """Split `model` once; later `generate(None, ...)` calls use these weights."""
+        self._weights = nnx.split(model)
+
+    def generate(
+        self,
+        model: Transformer | None,
+        prompts: list[list[int]],
+        keys: jax.Array,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        dtype: str = "float32",
+    ) -> SampleResult:
+        """Sample up to `max_new_tokens` tokens after each prompt (see SampleResult)."""
+        n = len(prompts)
+        if n == 0 or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens} is invalid; allowed: > 0")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} is invalid; allowed: >= 0 (0: greedy)")
+        if top_k < 0:
+            raise ValueError(f"top_k={top_k} is invalid; allowed: >= 0 (0: off)")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p={top_p} is invalid; allowed: (0, 1] (1: off)")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
+        if model is not None:
+            graphdef, state = nnx.split(model)
+        elif self._weights is not None:
+            graphdef, state = self._weights
+        else:
+            raise ValueError("no weights: pass a model or call set_weights(model) first")
+        typed_keys = _as_keys(keys, n)
+
+        bb = bucket(n, self.batch_buckets)
+        pb = bucket(max(len(p) for p in prompts), self.prompt_buckets)
+        nb = bucket(max_new_tokens, self.new_token_buckets)
+        tokens = np.full((bb, pb), self.pad_id, np.int32)
+        mask = np.zeros((bb, pb), np.int32)
+        for i, prompt in enumerate(prompts):  # left padding
+            tokens[i, pb - len(prompt) :] = prompt
+            mask[i, pb - len(prompt) :] = 1
+        tokens[n:], mask[n:] = tokens[0], mask[0]  # filler rows: copies of row 0, discarded
+        if bb > n:
+            typed_keys = jnp.concatenate([typed_keys, jnp.repeat(typed_keys[:1], bb - n)])
+
+        use_top_k, use_top_p = top_k > 0, top_p < 1.0
+        cache_key = (bb, pb + nb, dtype)
+        cache = self._caches.pop(cache_key, None)
+        if cache is None:
+            cache = init_cache(self.cfg, bb, pb + nb, dtype)
+        args = (
+            state,
+            jnp.asarray(tokens),
+            jnp.asarray(mask),
+            typed_keys,
+            cache,
+            jnp.int32(max_new_tokens),
+            jnp.float32(temperature),
+            jnp.int32(top_k),
+            jnp.float32(top_p),
+        )
+        key = (graphdef, bb, pb, nb, dtype, use_top_k, use_top_p, str(typed_keys.dtype))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            fn = functools.partial(
+                _generate,
+                graphdef,
+                n_new=nb,
+                dtype=dtype,
+                use_top_k=use_top_k,
+                use_top_p=use_top_p,
+                eos_id=self.eos_id,
+                pad_id=self.pad_id,
+            )
+            compiled = jax.jit(fn, donate_argnums=(4,)).lower(*args).compile()
+            self._compiled[key] = compiled
+        out_tok, out_lp, lengths, done, cache = compiled(*args)
+        self._caches[cache_key] = cache
+        out_tok, out_lp, lengths, done = jax.device_get((out_tok, out_lp, lengths, done))
+        return SampleResult(
+            tokens=np.asarray(out_tok[:n, :max_new_tokens], np.int32),
+            logprobs=np.asarray(out_lp[:n, :max_new_tokens], np.float32),
+            lengths=np.asarray(lengths[:n], np.int32),
+            finished=np.asarray(done[:n], np.bool_),
+        )
