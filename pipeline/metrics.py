@@ -1,0 +1,192 @@
+"""Evaluation metrics over n sampled answers per problem (pure NumPy).
+
+- `pass_at_k(n, c, k)`: the unbiased pass@k estimator of Chen et al. (2021),
+  1 - C(n-c, k) / C(n, k), in the numerically stable product form
+  1 - prod_{i=n-c+1}^{n} (1 - k / i); `pass_at_k_array` is the vectorised variant.
+- `maj_at_k`: majority vote over the first k extracted answers.
+- `avg_at_k`: mean correctness of the first k samples.
+- `best_of_k`: correctness of the highest-scored of the first k samples (e.g. by a verifier
+  or the model's own log-likelihood).
+- `bootstrap_ci`: percentile bootstrap confidence interval over problems.
+- `summarise`: all of the above for several k, each as (mean, lo, hi).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+ArrayLike = np.ndarray | Sequence[float] | Sequence[bool]
+
+
+def _check_nck(n: int, c: int, k: int) -> None:
+    if not 0 <= c <= n:
+        raise ValueError(f"c={c} is invalid for n={n}; allowed: 0 <= c <= n")
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k} is invalid for n={n} samples; allowed: 1 <= k <= n")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k).
+
+    Product form 1 - prod_{i=n-c+1}^{n} (1 - k/i): no large binomials, no overflow.
+    """
+    n, c, k = int(n), int(c), int(k)
+    _check_nck(n, c, k)
+    if n - c < k:  # every k-subset contains a correct sample
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1, dtype=np.float64)))
+
+
+def pass_at_k_array(n: ArrayLike | int, c: ArrayLike, k: int) -> np.ndarray:
+    """`pass_at_k` for many problems at once: n (scalar or per problem) and c per problem."""
+    c = np.asarray(c, dtype=np.int64)
+    n = np.broadcast_to(np.asarray(n, dtype=np.int64), c.shape)
+    if c.ndim != 1:
+        raise ValueError(f"c must be 1-D (one count per problem), got shape {c.shape}")
+    bad = (c < 0) | (c > n) | (k < 1) | (k > n)
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        _check_nck(int(n[i]), int(c[i]), k)
+    prod = np.ones(c.shape, np.float64)
+    # prod_{j=0}^{c-1} (1 - k / (n - c + 1 + j)); masked to j < c per problem.
+    for j in range(int(c.max(initial=0))):
+        active = j < c
+        i = np.where(active, n - c + 1 + j, 1).astype(np.float64)
+        prod *= np.where(active, 1.0 - k / i, 1.0)
+    return np.where(n - c < k, 1.0, 1.0 - prod)
+
+
+def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int) -> bool:
+    """Majority vote over the first k extracted answers.
+
+    None (unparseable) answers never win; if all of the first k are None the vote is
+    incorrect. Ties in count are broken deterministically by the earliest first occurrence
+    among the tied answers. The result is the correctness of the winning answer's first
+    occurrence (samples with equal answers are graded equally).
+    """
+    if len(answers) != len(correct):
+        raise ValueError(
+            f"answers ({len(answers)}) and correct ({len(correct)}) must have the same length"
+        )
+    if not 1 <= k <= len(answers):
+        raise ValueError(f"k={k} is invalid for {len(answers)} samples; allowed: 1..{len(answers)}")
+    counts: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for i, a in enumerate(answers[:k]):
+        if a is None:
+            continue
+        counts[a] = counts.get(a, 0) + 1
+        first.setdefault(a, i)
+    if not counts:
+        return False
+    winner = min(counts, key=lambda a: (-counts[a], first[a]))
+    return bool(correct[first[winner]])
+
+
+def avg_at_k(correct: ArrayLike, k: int) -> float | np.ndarray:
+    """Mean correctness of the first k samples (last axis); a float for one problem, an
+    array [P] for a [P, n] input."""
+    arr = np.asarray(correct, dtype=np.float64)
+    if arr.ndim == 0 or not 1 <= k <= arr.shape[-1]:
+        raise ValueError(f"k={k} is invalid for samples of shape {arr.shape}; allowed: 1..n")
+    out = arr[..., :k].mean(axis=-1)
+    return float(out) if out.ndim == 0 else out
+
+
+def best_of_k(scores: ArrayLike, correct: Sequence[bool] | np.ndarray, k: int) -> bool:
+    """Correctness of the highest-scored sample among the first k; ties go to the earliest,
+    NaN scores rank lowest."""
+    s = np.asarray(scores, dtype=np.float64)
+    if s.ndim != 1 or len(s) != len(correct):
+        raise ValueError(
+            f"scores (shape {s.shape}) and correct ({len(correct)}) must be 1-D of equal length"
+        )
+    if not 1 <= k <= len(s):
+        raise ValueError(f"k={k} is invalid for {len(s)} samples; allowed: 1..{len(s)}")
+    s = np.where(np.isnan(s[:k]), -np.inf, s[:k])
+    return bool(correct[int(np.argmax(s))])  # argmax returns the first maximum
+
+
+def bootstrap_ci(
+    per_problem_values: np.ndarray,
+    *,
+    n_boot: int = 1000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """(mean, lo, hi): the mean over problems and its (1 - alpha) percentile bootstrap
+    interval, resampling problems with replacement `n_boot` times (deterministic in seed)."""
+    v = np.asarray(per_problem_values, dtype=np.float64).reshape(-1)
+    if v.size == 0:
+        raise ValueError("bootstrap_ci needs at least one problem")
+    if not np.all(np.isfinite(v)):
+        raise ValueError("per_problem_values must be finite")
+    if n_boot < 1 or not 0 < alpha < 1:
+        raise ValueError(
+            f"n_boot={n_boot}, alpha={alpha} are invalid; allowed: n_boot >= 1, 0 < alpha < 1"
+        )
+    rng = np.random.default_rng(seed)
+    p = v.size
+    means = np.empty(n_boot, np.float64)
+    chunk = max(1, 4_000_000 // p)  # bound the index matrix to ~32 MB
+    for start in range(0, n_boot, chunk):
+        stop = min(n_boot, start + chunk)
+        idx = rng.integers(0, p, size=(stop - start, p))
+        means[start:stop] = v[idx].mean(axis=1)
+    lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
+    return float(v.mean()), float(lo), float(hi)
+
+
+def summarise(
+    correct: Sequence[Sequence[bool]] | np.ndarray,
+    ks: Sequence[int],
+    *,
+    answers: Sequence[Sequence[str | None]] | None = None,
+    scores: Sequence[Sequence[float]] | np.ndarray | None = None,
+    n_boot: int = 1000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> dict[str, tuple[float, float, float]]:
+    """Per-problem sample correctness (ragged lists allowed) -> {metric: (mean, lo, hi)}.
+
+    Keys for each k: "pass@k" (unbiased estimator over all n samples of the problem),
+    "avg@k"; "maj@k" if `answers` are given; "best_of@k" if `scores` are given. Every
+    problem needs at least max(ks) samples.
+    """
+    if len(correct) == 0:
+        raise ValueError("summarise needs at least one problem")
+    rows = [np.asarray(c, dtype=bool).reshape(-1) for c in correct]
+    n = np.array([len(r) for r in rows])
+    c = np.array([int(r.sum()) for r in rows])
+    for name, other in (("answers", answers), ("scores", scores)):
+        if other is not None and (
+            len(other) != len(rows)
+            or any(len(o) != len(r) for o, r in zip(other, rows, strict=True))
+        ):
+            raise ValueError(f"{name} must have one entry per sample of correct")
+    out: dict[str, tuple[float, float, float]] = {}
+
+    def add(key: str, values: np.ndarray) -> None:
+        out[key] = bootstrap_ci(values, n_boot=n_boot, alpha=alpha, seed=seed)
+
+    for k in ks:
+        if k < 1 or np.any(n < k):
+            i = int(np.argmax(n < k)) if k >= 1 else 0
+            raise ValueError(
+                f"k={k} is invalid: problem {i} has {n[i]} samples; allowed: 1 <= k <= n"
+            )
+        add(f"pass@{k}", pass_at_k_array(n, c, k))
+        add(f"avg@{k}", np.array([r[:k].mean() for r in rows]))
+        if answers is not None:
+            add(
+                f"maj@{k}",
+                np.array([maj_at_k(a, r, k) for a, r in zip(answers, rows, strict=True)], float),
+            )
+        if scores is not None:
+            add(
+                f"best_of@{k}",
+                np.array([best_of_k(s, r, k) for s, r in zip(scores, rows, strict=True)], float),
+            )
+    return out

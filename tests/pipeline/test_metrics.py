@@ -1,0 +1,142 @@
+"""Evaluation metrics against closed forms and brute-force enumeration."""
+
+import itertools
+from math import comb
+
+import numpy as np
+import pytest
+
+from pipeline.metrics import (
+    avg_at_k,
+    best_of_k,
+    bootstrap_ci,
+    maj_at_k,
+    pass_at_k,
+    pass_at_k_array,
+    summarise,
+)
+
+
+def test_pass_at_k_closed_form():
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3, abs=1e-12)
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - comb(7, 5) / comb(10, 5), abs=1e-12)
+    assert pass_at_k(10, 3, 5) == pytest.approx(11 / 12, abs=1e-12)
+    assert pass_at_k(10, 3, 10) == 1.0
+    assert pass_at_k(10, 0, 5) == 0.0
+    assert pass_at_k(10, 10, 1) == 1.0
+    assert pass_at_k(5, 1, 5) == 1.0  # n - c < k
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 6])
+def test_pass_at_k_brute_force(n):
+    for c in range(n + 1):
+        samples = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(range(n), k))
+            brute = np.mean([any(samples[i] for i in s) for s in subsets])
+            assert pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_large_n_is_stable():
+    # C(1000, 500) overflows float64; the product form does not.
+    v = pass_at_k(1000, 3, 500)
+    assert v == pytest.approx(1 - (500 * 499 * 498) / (1000 * 999 * 998), rel=1e-12)
+
+
+def test_pass_at_k_array_matches_scalar():
+    n = np.array([10, 10, 8, 5, 16])
+    c = np.array([3, 0, 8, 1, 7])
+    for k in (1, 3, 5):
+        expected = [pass_at_k(int(a), int(b), k) for a, b in zip(n, c, strict=True)]
+        np.testing.assert_allclose(pass_at_k_array(n, c, k), expected, atol=1e-12)
+    np.testing.assert_allclose(pass_at_k_array(10, [3, 0], 5), [11 / 12, 0.0], atol=1e-12)
+
+
+def test_pass_at_k_validation():
+    with pytest.raises(ValueError, match="k=11"):
+        pass_at_k(10, 3, 11)
+    with pytest.raises(ValueError, match="c=12"):
+        pass_at_k(10, 12, 1)
+    with pytest.raises(ValueError, match="k=0"):
+        pass_at_k_array([4, 4], [1, 2], 0)
+
+
+def test_maj_at_k_majority_and_ties():
+    answers = ["7", "5", "5", "7", "9"]
+    correct = [True, False, False, True, False]
+    assert maj_at_k(answers, correct, 1) is True  # "7"
+    assert maj_at_k(answers, correct, 3) is False  # "5" x2
+    # k=4: "7" x2 vs "5" x2 tie -> "7" occurs first -> correct.
+    assert maj_at_k(answers, correct, 4) is True
+    # Same tie with the order swapped -> "5" first -> incorrect.
+    assert maj_at_k(["5", "7", "7", "5"], [False, True, True, False], 4) is False
+
+
+def test_maj_at_k_unparseable_answers():
+    # None is the most frequent but never wins.
+    assert maj_at_k([None, None, None, "3"], [False, False, False, True], 4) is True
+    assert maj_at_k([None, None, "4", "3"], [False, False, False, True], 4) is False  # tie
+    # All None -> incorrect even if a "correct" flag were set.
+    assert maj_at_k([None, None], [True, True], 2) is False
+    with pytest.raises(ValueError, match="same length"):
+        maj_at_k(["1"], [True, False], 1)
+
+
+def test_avg_at_k():
+    assert avg_at_k([1, 0, 1, 1], 2) == 0.5
+    assert avg_at_k([1, 0, 1, 1], 4) == 0.75
+    np.testing.assert_allclose(avg_at_k(np.array([[1, 0, 1], [0, 0, 1]]), 3), [2 / 3, 1 / 3])
+
+
+def test_best_of_k():
+    correct = [False, True, False, True]
+    assert best_of_k([0.1, 0.9, 0.5, 0.9], correct, 4) is True
+    assert best_of_k([0.1, 0.9, 0.5, 0.9], correct, 1) is False
+    assert best_of_k([0.5, 0.5, 0.5, 0.5], [False, True, True, True], 4) is False  # earliest
+    assert best_of_k([np.nan, 0.0], [False, True], 2) is True  # NaN ranks lowest
+
+
+def test_best_of_k_perfect_scorer_is_any_correct_upper_bound():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        correct = rng.random(8) < 0.3
+        scores = correct.astype(float) + 0.01 * rng.random(8)  # perfect verifier
+        for k in (1, 3, 8):
+            assert best_of_k(scores, correct, k) == bool(correct[:k].any())
+
+
+def test_bootstrap_contains_mean_narrows_and_is_deterministic():
+    rng = np.random.default_rng(1)
+    small = (rng.random(50) < 0.4).astype(float)
+    large = (rng.random(2000) < 0.4).astype(float)
+    m_s, lo_s, hi_s = bootstrap_ci(small, n_boot=500, seed=3)
+    m_l, lo_l, hi_l = bootstrap_ci(large, n_boot=500, seed=3)
+    assert m_s == pytest.approx(small.mean())
+    assert lo_s <= m_s <= hi_s
+    assert lo_l <= m_l <= hi_l
+    assert hi_l - lo_l < hi_s - lo_s
+    # Normal-approximation width as a sanity check (binary data): ~2 * 1.96 * sd / sqrt(P).
+    expected = 2 * 1.96 * large.std() / np.sqrt(large.size)
+    assert (hi_l - lo_l) == pytest.approx(expected, rel=0.2)
+    assert bootstrap_ci(small, n_boot=500, seed=3) == (m_s, lo_s, hi_s)
+    assert bootstrap_ci(small, n_boot=500, seed=4) != (m_s, lo_s, hi_s)
+    assert bootstrap_ci(np.array([0.7]), n_boot=10) == pytest.approx((0.7, 0.7, 0.7))
+    with pytest.raises(ValueError, match="at least one"):
+        bootstrap_ci(np.array([]))
+
+
+def test_summarise():
+    correct = [[True, False, False, True], [False, False, False, False], [True, True, True, False]]
+    answers = [["1", "2", "2", "1"], ["3", None, "4", "4"], ["5", "5", "5", "6"]]
+    scores = [[0.1, 0.9, 0.2, 0.3], [0.0, 0.0, 0.0, 0.0], [0.2, 0.1, 0.0, 0.9]]
+    out = summarise(correct, ks=(1, 4), answers=answers, scores=scores, n_boot=200)
+    assert set(out) == {f"{m}@{k}" for m in ("pass", "avg", "maj", "best_of") for k in (1, 4)}
+    assert out["pass@1"][0] == pytest.approx(np.mean([2 / 4, 0, 3 / 4]))
+    assert out["pass@4"][0] == pytest.approx(np.mean([1, 0, 1]))
+    assert out["avg@1"][0] == pytest.approx(np.mean([1, 0, 1]))
+    assert out["maj@4"][0] == pytest.approx(np.mean([1, 0, 1]))  # tie "1"/"2" -> "1"
+    assert out["best_of@4"][0] == pytest.approx(np.mean([0, 0, 0]))
+    for mean, lo, hi in out.values():
+        assert lo <= mean <= hi
+    with pytest.raises(ValueError, match="k=5"):
+        summarise(correct, ks=(5,))
