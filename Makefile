@@ -1,0 +1,33 @@
+# `make demo` and `make test` each set up .venv from the lock file (uv, installed from
+# PyPI if missing), then run the demo or the tests.
+PYTHON ?= python3.11
+VENV := .venv
+UV := $(shell command -v uv 2>/dev/null)
+ifeq ($(UV),)
+UV := $(VENV)-uv/bin/uv
+endif
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(VENV)-uv/bin/uv:
+	$(PYTHON) -m venv $(VENV)-uv
+	$(VENV)-uv/bin/pip install --quiet uv
+
+$(STAMP): pyproject.toml uv.lock | $(UV)
+	$(UV) sync --frozen --extra test --python $(PYTHON)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rlax demo $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/pytest -q $(ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/sampler.py
+
+clean:
+	rm -rf $(VENV) $(VENV)-uv .pytest_cache .ruff_cache
