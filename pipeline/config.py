@@ -60,6 +60,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     qkv_bias: bool = False  # True for Qwen2
+    qk_norm: bool = False  # True for Qwen3: RMSNorm over head_dim on q and k, before RoPE
     tie_embeddings: bool = True
     max_seq_len: int = 256
     dtype: str = "float32"  # activation/compute dtype; params stay float32
@@ -81,6 +82,7 @@ class ModelConfig:
             f"a divisor of num_heads={self.num_heads}",
         )
         _check(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "an even number (RoPE)")
+        _check(isinstance(self.qk_norm, bool), "model.qk_norm", self.qk_norm, "true or false")
         _one_of("model.dtype", self.dtype, ("float32", "bfloat16"))
 
 
@@ -111,10 +113,18 @@ class TaskConfig:
         )
         _check(self.num_train > 0, "task.num_train", self.num_train, "> 0")
         _check(self.num_eval > 0, "task.num_eval", self.num_eval, "> 0")
-        _check(1 <= self.min_digits <= self.max_digits, "task.min_digits", self.min_digits,
-               f"1 <= min_digits <= max_digits={self.max_digits}")
-        _check(2 <= self.countdown_numbers <= 5, "task.countdown_numbers",
-               self.countdown_numbers, "2..5")
+        _check(
+            1 <= self.min_digits <= self.max_digits,
+            "task.min_digits",
+            self.min_digits,
+            f"1 <= min_digits <= max_digits={self.max_digits}",
+        )
+        _check(
+            2 <= self.countdown_numbers <= 5,
+            "task.countdown_numbers",
+            self.countdown_numbers,
+            "2..5",
+        )
 
 
 @dataclass(frozen=True)
@@ -136,8 +146,12 @@ class SFTConfig:
         _check(self.batch_size > 0, "sft.batch_size", self.batch_size, "> 0")
         _check(self.lr > 0, "sft.lr", self.lr, "> 0")
         _check(0 <= self.carry_drop_prob < 1, "sft.carry_drop_prob", self.carry_drop_prob, "[0, 1)")
-        _check(0 <= self.countdown_error_prob < 1, "sft.countdown_error_prob",
-               self.countdown_error_prob, "[0, 1)")
+        _check(
+            0 <= self.countdown_error_prob < 1,
+            "sft.countdown_error_prob",
+            self.countdown_error_prob,
+            "[0, 1)",
+        )
 
 
 @dataclass(frozen=True)
@@ -173,8 +187,10 @@ class TrainerConfig:
     grad_clip: float = 1.0
     clip_eps: float = 0.2  # epsilon of the clipped ratio
     adv_eps: float = 1e-6  # added to the group std when normalising
+    kl_coef: float = 0.0  # beta: weight of KL(pi || pi_ref) to the base model (k3 estimator)
     publish_every: int = 1
     checkpoint_every: int = 10
+    keep_checkpoints: int = 2  # Orbax retention: newest N
     max_staleness: int = 0  # versions; 0 = synchronous on-policy
     micro_batch: int = 0  # 0: whole batch in one pass
 
@@ -182,11 +198,16 @@ class TrainerConfig:
         _one_of("trainer.algorithm", self.algorithm, ALGORITHMS)
         _check(self.steps >= 0, "trainer.steps", self.steps, ">= 0")
         _check(self.lr > 0, "trainer.lr", self.lr, "> 0")
+        _check(self.kl_coef >= 0, "trainer.kl_coef", self.kl_coef, ">= 0")
         _check(self.grad_clip > 0, "trainer.grad_clip", self.grad_clip, "> 0")
         _check(0 < self.clip_eps < 1, "trainer.clip_eps", self.clip_eps, "(0, 1)")
         _check(self.publish_every >= 1, "trainer.publish_every", self.publish_every, ">= 1")
-        _check(self.checkpoint_every >= 1, "trainer.checkpoint_every", self.checkpoint_every,
-               ">= 1")
+        _check(
+            self.checkpoint_every >= 1, "trainer.checkpoint_every", self.checkpoint_every, ">= 1"
+        )
+        _check(
+            self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, ">= 1"
+        )
         _check(self.max_staleness >= 0, "trainer.max_staleness", self.max_staleness, ">= 0")
         _check(self.micro_batch >= 0, "trainer.micro_batch", self.micro_batch, ">= 0")
 
@@ -201,8 +222,9 @@ class RolloutConfig:
     poll_seconds: float = 0.2
 
     def __post_init__(self) -> None:
-        _check(self.prompts_per_batch > 0, "rollout.prompts_per_batch", self.prompts_per_batch,
-               "> 0")
+        _check(
+            self.prompts_per_batch > 0, "rollout.prompts_per_batch", self.prompts_per_batch, "> 0"
+        )
         _check(self.group_size >= 1, "rollout.group_size", self.group_size, ">= 1")
         _check(self.lease_seconds > 0, "rollout.lease_seconds", self.lease_seconds, "> 0")
 
@@ -220,8 +242,12 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _check(self.num_problems > 0, "eval.num_problems", self.num_problems, "> 0")
-        _check(all(1 <= k <= self.num_samples for k in self.ks), "eval.ks", self.ks,
-               f"integers in [1, num_samples={self.num_samples}]")
+        _check(
+            all(1 <= k <= self.num_samples for k in self.ks),
+            "eval.ks",
+            self.ks,
+            f"integers in [1, num_samples={self.num_samples}]",
+        )
 
 
 @dataclass(frozen=True)
@@ -305,9 +331,7 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(
-                f"unknown config key {prefix}{key!r}; allowed: {', '.join(names)}"
-            )
+            raise ConfigError(f"unknown config key {prefix}{key!r}; allowed: {', '.join(names)}")
         kwargs[key] = _coerce(value, hints[key], prefix + key)
     return cls(**kwargs)
 

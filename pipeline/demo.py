@@ -1,0 +1,158 @@
+"""`rlax demo`: data -> SFT -> RL (trainer + N rollout workers as processes) -> eval -> report.
+
+The roles are separate OS processes that meet only through the run directory (or
+bucket); this module only starts them, follows their progress from the metrics they
+write, and stops them. Re-running with the same --run resumes: every stage skips the
+work whose output is already there.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pipeline import launcher
+from pipeline.run import DONE_KEY, Run
+from pipeline.tasks.mix import build_splits
+
+
+def write_data(run: Run) -> tuple[int, int]:
+    """Generate the train/held-out problem sets (skipped if already there)."""
+    if run.has_problems("train") and run.has_problems("eval"):
+        return len(run.read_problems("train")), len(run.read_problems("eval"))
+    train, held_out = build_splits(run.config.task)
+    run.write_problems("eval", held_out)
+    run.write_problems("train", train)
+    return len(train), len(held_out)
+
+
+def log_dir(run: Run) -> Path:
+    url = run.store.url
+    if url.startswith("gs://"):
+        return Path(".rlax-logs") / url[len("gs://") :].replace("/", "_")
+    return Path(url.removeprefix("file://")) / "logs"
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Fleet:
+    """Processes of one stage; any non-zero exit fails the stage and stops the rest."""
+
+    run: Run
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, role: str, extra: tuple[str, ...] = ()) -> None:
+        path = log_dir(self.run) / f"{name}.log"
+        self.procs[name] = launcher.start(role, self.run.url, extra, log_path=path)
+
+    def check(self) -> None:
+        for name, p in self.procs.items():
+            code = p.poll()
+            if code not in (None, 0):
+                self.stop()
+                tail = (log_dir(self.run) / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise JobFailed(f"{name} exited with code {code}; last output:\n{tail}")
+
+    def alive(self, name: str) -> bool:
+        return self.procs[name].poll() is None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _follow(run: Run, fleet: Fleet, stream: str, total: int, desc: str, until, postfix=None):
+    bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stdout)
+    seen = 0
+    try:
+        while True:
+            fleet.check()
+            keys = list(run.iter_metric_keys(stream))
+            if len(keys) > seen:
+                bar.update(len(keys) - seen)
+                seen = len(keys)
+                if postfix is not None:
+                    bar.set_postfix_str(postfix(run, keys[-1]))
+            if until():
+                break
+            time.sleep(1.0)
+    finally:
+        bar.close()
+
+
+def _reward_postfix(run: Run, key: str) -> str:
+    import json
+
+    rec = json.loads(run.store.read(key))
+    return f"reward {rec['reward_mean']:.3f}"
+
+
+def run_demo(run: Run, workers: int, eval_every: int) -> str:
+    cfg = run.config
+    t_start = time.time()
+    print(f"run: {run.url}\nlogs: {log_dir(run)}")
+
+    n_train, n_eval = write_data(run)
+    print(
+        f"[1/5] data: {n_train} training and {n_eval} held-out problems "
+        f"({', '.join(cfg.task.families)})"
+    )
+
+    print(f"[2/5] SFT bootstrap on a noisy teacher ({cfg.sft.steps} steps)")
+    fleet = Fleet(run)
+    fleet.start("sft", "sft")
+    _follow(run, fleet, "sft", cfg.sft.steps // 25 * 25, "sft", lambda: not fleet.alive("sft"))
+    fleet.check()
+
+    print(f"[3/5] RL: trainer + {workers} rollout workers as separate processes")
+    fleet = Fleet(run)
+    fleet.start("trainer", "train")
+    for i in range(workers):
+        fleet.start(f"worker{i}", "rollout", ("--worker-id", f"worker{i}"))
+    try:
+        _follow(
+            run,
+            fleet,
+            "train",
+            cfg.trainer.steps,
+            "rl",
+            lambda: run.store.exists(DONE_KEY) and not fleet.alive("trainer"),
+            _reward_postfix,
+        )
+        fleet.check()
+    finally:
+        fleet.stop()
+
+    print("[4/5] held-out evaluation of published versions")
+    fleet = Fleet(run)
+    fleet.start("eval", "eval", ("--version", "all", "--every", str(eval_every)))
+    while fleet.alive("eval"):
+        fleet.check()
+        time.sleep(1.0)
+    fleet.check()
+    for line in (log_dir(run) / "eval.log").read_text().splitlines():
+        if line.startswith("[eval] v"):
+            print("  " + line)
+
+    print("[5/5] report")
+    from pipeline.report import build_report
+
+    md = build_report(run)
+    print("\n" + md)
+    print(f"\ndone in {time.time() - t_start:.0f}s; report: {run.url}/report/report.md")
+    return md

@@ -1,0 +1,107 @@
+"""A run: its config, data, weights, rollouts and metrics under one store prefix.
+
+Every role (SFT, trainer, rollout worker, evaluator) opens the run by URL only; the
+config frozen in `config.json` at creation is what they all obey.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import RunConfig, config_from_json
+from pipeline.storage import ObjectNotFound, ObjectStore, open_store
+from pipeline.tasks.base import Problem
+
+CONFIG_KEY = "config.json"
+DONE_KEY = "trainer/DONE.json"  # written by the trainer when its last step is done
+SPLITS = ("train", "eval")
+
+
+class RunError(RuntimeError):
+    """The run directory is missing, incomplete or belongs to another config."""
+
+
+@dataclass
+class Run:
+    url: str
+    store: ObjectStore
+    config: RunConfig
+
+    @classmethod
+    def create(cls, url: str, config: RunConfig) -> Run:
+        """Create the run, or reopen it if it exists with the same config (a retry)."""
+        store = open_store(url)
+        blob = json.dumps(config.to_dict(), indent=2, sort_keys=True).encode()
+        if not store.write_new(CONFIG_KEY, blob):
+            existing = config_from_json(store.read(CONFIG_KEY).decode())
+            if existing.digest() != config.digest():
+                raise RunError(
+                    f"run {url} already exists with a different config "
+                    f"(digest {existing.digest()} != {config.digest()}); "
+                    "choose a new --run or repeat the original config"
+                )
+            config = existing
+        return cls(url=url, store=store, config=config)
+
+    @classmethod
+    def open(cls, url: str) -> Run:
+        store = open_store(url)
+        try:
+            text = store.read(CONFIG_KEY).decode()
+        except ObjectNotFound:
+            raise RunError(
+                f"no run at {url}: {CONFIG_KEY} not found. Create one with "
+                "`rlax demo --run URL` or `rlax init --run URL --config configs/X.yaml`"
+            ) from None
+        return cls(url=url, store=store, config=config_from_json(text))
+
+    # ----------------------------------------------------------------- data
+    def data_key(self, split: str) -> str:
+        if split not in SPLITS:
+            raise ValueError(f"split {split!r} unknown; allowed: {', '.join(SPLITS)}")
+        return f"data/{split}.parquet"
+
+    def write_problems(self, split: str, problems: list[Problem]) -> bool:
+        rows = [p.to_dict() for p in problems]
+        table = pa.Table.from_pylist(
+            [{**r, "meta": json.dumps(r["meta"], sort_keys=True)} for r in rows]
+        )
+        sink = io.BytesIO()
+        pq.write_table(table, sink, compression="zstd")
+        return self.store.write_new(self.data_key(split), sink.getvalue())
+
+    def has_problems(self, split: str) -> bool:
+        return self.store.exists(self.data_key(split))
+
+    def read_problems(self, split: str) -> list[Problem]:
+        try:
+            data = self.store.read(self.data_key(split))
+        except ObjectNotFound:
+            raise RunError(
+                f"run {self.url} has no {split} data yet; run `rlax data --run {self.url}`"
+            ) from None
+        rows = pq.read_table(io.BytesIO(data)).to_pylist()
+        return [Problem.from_dict({**r, "meta": json.loads(r["meta"])}) for r in rows]
+
+    # -------------------------------------------------------------- metrics
+    def log_metrics(self, stream: str, index: int, record: dict[str, Any]) -> None:
+        """Write one immutable metrics record (create-only: a retry is a no-op)."""
+        record = {"index": index, "time": time.time(), **record}
+        self.store.write_new(
+            f"metrics/{stream}/{index:08d}.json", json.dumps(record, sort_keys=True).encode()
+        )
+
+    def read_metrics(self, stream: str) -> list[dict[str, Any]]:
+        keys = self.store.list(f"metrics/{stream}/")
+        return [json.loads(self.store.read(k)) for k in keys]
+
+    def iter_metric_keys(self, stream: str) -> Iterator[str]:
+        yield from self.store.list(f"metrics/{stream}/")

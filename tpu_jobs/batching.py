@@ -1,0 +1,50 @@
+"""Packing prompts and completions into the fixed-shape rows the jitted steps expect.
+
+Row layout (docs/CONVENTIONS.md): the prompt right-aligned in `prompt_len` slots
+(left padding), then the completion left-aligned in `completion_len` slots, so every
+completion token sits at a fixed offset and one compiled step fits every batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def round_up(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def pack_rows(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    prompt_len: int,
+    completion_len: int,
+    pad_id: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return (tokens [B, P+C] int32, mask [B, P+C] int32, completion_mask [B, C] float32)."""
+    b = len(prompts)
+    tokens = np.full((b, prompt_len + completion_len), pad_id, np.int32)
+    mask = np.zeros_like(tokens)
+    comp_mask = np.zeros((b, completion_len), np.float32)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        if len(p) > prompt_len or len(c) > completion_len:
+            raise ValueError(
+                f"row {i}: prompt {len(p)} / completion {len(c)} tokens exceed the packed "
+                f"shape {prompt_len} / {completion_len}; raise sampler.max_new_tokens or "
+                "shorten the task"
+            )
+        tokens[i, prompt_len - len(p) : prompt_len] = p
+        mask[i, prompt_len - len(p) : prompt_len] = 1
+        tokens[i, prompt_len : prompt_len + len(c)] = c
+        mask[i, prompt_len : prompt_len + len(c)] = 1
+        comp_mask[i, : len(c)] = 1.0
+    return tokens, mask, comp_mask
+
+
+def pad_values(rows: Sequence[Sequence[float]], length: int) -> np.ndarray:
+    out = np.zeros((len(rows), length), np.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out

@@ -1,0 +1,181 @@
+"""A rollout worker: claim a batch index, pull its policy version, generate, score, commit.
+
+    python -m tpu_jobs.rollout_worker --run RUN_URL [--worker-id NAME]
+
+Any number of workers, started anywhere, cooperate through the run's store alone:
+a worker claims the lowest free batch index with a lease object, generates G samples
+for each of the batch's prompts with the pinned policy version
+(`pipeline.rollouts.required_version`), scores them with the task verifiers and commits
+the batch create-only. Sampling keys derive from (seed, batch index, prompt position,
+sample index) only, so whichever worker produces a batch, it is the same batch.
+A snapshot that fails its checksums is refused and the worker keeps its weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipeline.leases import BatchLeases
+from pipeline.paramserver import CorruptSnapshotError, ParamServer
+from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
+from pipeline.run import DONE_KEY, Run
+from pipeline.schedule import batch_problem_indices
+from pipeline.tasks import get_task
+from pipeline.tokenizer import get_tokenizer
+from tpu_jobs.model import init_model, load_flat_params
+from tpu_jobs.sampler import Sampler
+
+ROLLOUT_STREAM = 0x0A11  # domain separator of rollout keys vs evaluation keys
+
+
+def sample_keys(seed: int, stream: int, index: int, group: int, count: int, size: int) -> jax.Array:
+    """One key per row of `count` prompts x `size` samples; depends on nothing else."""
+    base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), index)
+    prompt = jnp.repeat(jnp.arange(count), size) + group
+    sample = jnp.tile(jnp.arange(size), count)
+    return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompt, sample)
+
+
+class RolloutWorker:
+    def __init__(self, run: Run, worker_id: str, *, log=print) -> None:
+        self.run = run
+        self.cfg = run.config
+        self.worker_id = worker_id
+        self.log = log
+        self.ps = ParamServer(run.store)
+        self.leases = BatchLeases(run.store, ttl_seconds=self.cfg.rollout.lease_seconds)
+        self.tok = get_tokenizer("char")
+        self.problems = run.read_problems("train")
+        self.model = init_model(self.cfg.model, self.cfg.seed)
+        self.sampler = Sampler(self.cfg.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id)
+        self.version: int | None = None
+        self._stop = False
+        self.batches_done = 0
+
+    def request_stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def _ensure_version(self, version: int) -> bool:
+        if self.version == version:
+            return True
+        try:
+            snap = self.ps.pull(version)
+        except CorruptSnapshotError as err:
+            self.log(f"[{self.worker_id}] refused v{version}: {err}; keeping v{self.version}")
+            return False
+        load_flat_params(self.model, snap.tensors)
+        self.version = version
+        return True
+
+    def generate_batch(self, index: int, version: int) -> RolloutBatch:
+        cfg = self.cfg
+        g = cfg.rollout.group_size
+        idx = batch_problem_indices(
+            index, cfg.rollout.prompts_per_batch, len(self.problems), cfg.seed
+        )
+        problems = [self.problems[i] for i in idx]
+        prompts = [self.tok.encode_prompt(p.prompt) for p in problems for _ in range(g)]
+        keys = sample_keys(cfg.seed, ROLLOUT_STREAM, index, 0, len(problems), g)
+        out = self.sampler.generate(
+            self.model,
+            prompts,
+            keys,
+            max_new_tokens=cfg.sampler.max_new_tokens,
+            temperature=cfg.sampler.temperature,
+            top_k=cfg.sampler.top_k,
+            top_p=cfg.sampler.top_p,
+            dtype=cfg.sampler.dtype,
+        )
+        completions, texts, logps, rewards = [], [], [], []
+        for row, p in enumerate(p for p in problems for _ in range(g)):
+            n = int(out.lengths[row])
+            ids = out.tokens[row, :n].tolist()
+            text = self.tok.decode(ids)
+            completions.append(ids)
+            texts.append(text)
+            logps.append(out.logprobs[row, :n].tolist())
+            rewards.append(get_task(p.task).verify(p, text))
+        return RolloutBatch(
+            batch_index=index,
+            prompt_pos=np.repeat(np.arange(len(problems)), g),
+            prompt_id=[p.problem_id for p in problems for _ in range(g)],
+            task=[p.task for p in problems for _ in range(g)],
+            sample_index=np.tile(np.arange(g), len(problems)),
+            prompt_ids=prompts,
+            completion_ids=completions,
+            behaviour_logprobs=logps,
+            completion=texts,
+            finished=out.finished.astype(bool),
+            reward=np.asarray(rewards, np.float32),
+            policy_version=version,
+            worker_id=self.worker_id,
+        )
+
+    def run_forever(self) -> int:
+        tc = self.cfg.trainer
+        idle = 0.0
+        while not self._stop:
+            if self.run.store.exists(DONE_KEY):
+                break
+            latest = self.ps.latest_version()
+            if latest is None:
+                time.sleep(self.cfg.rollout.poll_seconds)
+                continue
+            # Batches whose pinned version is already published.
+            limit = min(
+                tc.steps + self._dropped(), (latest + tc.max_staleness + 1) * tc.publish_every
+            )
+            lease = self.leases.claim_next(0, self.worker_id, latest, limit=limit)
+            if lease is None:
+                time.sleep(self.cfg.rollout.poll_seconds)
+                idle += self.cfg.rollout.poll_seconds
+                continue
+            idle = 0.0
+            index = lease.index
+            version = required_version(index, tc.publish_every, tc.max_staleness)
+            lease = self.leases.renew(lease, version=version)  # retention protects it
+            t0 = time.time()
+            if not self._ensure_version(version):
+                self.leases.release(lease)
+                time.sleep(1.0)
+                continue
+            batch = self.generate_batch(index, version)
+            committed = self.leases.commit_batch(index, to_parquet_bytes(batch))
+            self.leases.release(lease)
+            self.batches_done += committed
+            dt = time.time() - t0
+            self.log(
+                f"[{self.worker_id}] batch {index} v{version} reward {batch.reward.mean():.3f} "
+                f"{batch.num_tokens() / dt:,.0f} tok/s"
+                + ("" if committed else " (already committed by another worker; discarded)")
+            )
+        return self.batches_done
+
+    def _dropped(self) -> int:
+        return len(self.run.store.list("metrics/dropped/"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tpu_jobs.rollout_worker", description=__doc__)
+    parser.add_argument("--run", required=True, help="run URL (directory or gs://bucket/prefix)")
+    parser.add_argument("--worker-id", default=f"{socket.gethostname()}-{os.getpid()}")
+    args = parser.parse_args(argv)
+    worker = RolloutWorker(Run.open(args.run), args.worker_id, log=lambda m: print(m, flush=True))
+    signal.signal(signal.SIGTERM, worker.request_stop)
+    n = worker.run_forever()
+    print(f"[{args.worker_id}] exiting after {n} batches", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""SFT bootstrap: train the base model from scratch on a noisy teacher's worked solutions.
+
+The teacher makes systematic mistakes (dropped carries, slipped countdown steps), so the
+base model is good but imperfect and RL has something real to fix. The result is
+published as version 0 of the run's `base/` parameter server, from which the trainer
+starts when it has no checkpoint of its own.
+
+    python -m tpu_jobs.sft --run RUN_URL
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pipeline.paramserver import ParamServer
+from pipeline.run import Run
+from pipeline.tasks import get_task
+from pipeline.tokenizer import get_tokenizer
+from tpu_jobs.batching import pack_rows, round_up
+from tpu_jobs.state import make_optimizer, new_model, params_to_flat
+
+BASE_PREFIX = "base"
+
+
+def base_server(run: Run) -> ParamServer:
+    return ParamServer(run.store.child(BASE_PREFIX))
+
+
+def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completion_len: int):
+    cfg = run.config
+    rng = np.random.default_rng([cfg.seed, step, 0x5F7])
+    idx = rng.integers(0, len(problems), cfg.sft.batch_size)
+    prompts, completions = [], []
+    for i in idx:
+        p = problems[i]
+        text = get_task(p.task).teacher_solution(p, rng, cfg.sft)
+        prompts.append(tok.encode_prompt(p.prompt))
+        completions.append(tok.encode_completion(text))
+    return pack_rows(prompts, completions, prompt_len, completion_len, tok.pad_id)
+
+
+def train_sft(run: Run, log_every: int = 25) -> dict[str, float]:
+    cfg = run.config
+    server = base_server(run)
+    if 0 in server.versions():
+        print(f"[sft] base model already published at {run.url}/{BASE_PREFIX}; skipping")
+        return {}
+    tok = get_tokenizer("char")
+    problems = run.read_problems("train")
+    prompt_len = round_up(max(len(tok.encode_prompt(p.prompt)) for p in problems), 8)
+    completion_len = cfg.sampler.max_new_tokens
+
+    fns, params = new_model(cfg.model, cfg.seed)
+    tx = make_optimizer(cfg.sft.lr, cfg.sft.warmup_steps, cfg.sft.steps, cfg.sft.weight_decay, 1.0)
+    opt_state = tx.init(params)
+
+    def loss_fn(params, tokens, mask, comp_mask):
+        logp = fns.logprobs(params, tokens, mask)[:, prompt_len:]
+        return -(logp * comp_mask).sum() / jnp.maximum(comp_mask.sum(), 1.0)
+
+    @jax.jit
+    def step_fn(params, opt_state, tokens, mask, comp_mask):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask, comp_mask)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    t0 = time.time()
+    tokens_seen = 0
+    loss = float("nan")
+    for step in range(cfg.sft.steps):
+        tokens, mask, comp_mask = teacher_batch(
+            run, problems, step, tok, prompt_len, completion_len
+        )
+        params, opt_state, loss_arr = step_fn(params, opt_state, tokens, mask, comp_mask)
+        tokens_seen += int(mask.sum())
+        if (step + 1) % log_every == 0 or step + 1 == cfg.sft.steps:
+            loss = float(loss_arr)
+            elapsed = time.time() - t0
+            print(
+                f"[sft] step {step + 1}/{cfg.sft.steps} loss {loss:.4f} "
+                f"{tokens_seen / elapsed:,.0f} tok/s {elapsed:.0f}s",
+                flush=True,
+            )
+            run.log_metrics("sft", step + 1, {"loss": loss, "elapsed_s": elapsed})
+    server.publish(
+        0,
+        params_to_flat(fns, params),
+        epoch=server.acquire_epoch(),
+        metadata={"source": "sft", "steps": cfg.sft.steps, "final_loss": loss},
+    )
+    print(f"[sft] published base model in {time.time() - t0:.0f}s", flush=True)
+    return {"loss": loss, "seconds": time.time() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tpu_jobs.sft", description=__doc__)
+    parser.add_argument("--run", required=True, help="run URL (directory or gs://bucket/prefix)")
+    args = parser.parse_args(argv)
+    train_sft(Run.open(args.run))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
