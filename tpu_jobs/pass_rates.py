@@ -1,0 +1,227 @@
+"""Per-problem pass rates under a published weight snapshot: the difficulty signal that
+the curation job (`beam_jobs.curate --pass-rates`) filters on.
+
+    python -m tpu_jobs.pass_rates --run RUN_URL --data GLOB --k 8 [--version V]
+                                  [--output URL] [--temperature T] [--batch-size N]
+
+Samples k completions per problem with version V of the run's weights (default: the
+latest published), scores them with the task verifiers and writes one Parquet row per
+problem: problem_id, pass_rate (= correct / k), k, version, plus task and num_correct.
+Default output: `{run}/pass_rates/v{V:08d}-k{k}-{data hash}.parquet`, written
+create-only, so a repeated call finds it and does nothing. Sampling keys depend on the
+run seed, the version, the problem's place in id order and the sample index only.
+
+`--data`: Parquet files of Problem rows (problem_id, task, prompt, answer, meta), e.g. a
+curation output (`.../train/*.parquet`) or a run's `data/train.parquet`; local or gs://.
+Problems of a task without a verifier in `pipeline.tasks` are skipped (and counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import glob
+import hashlib
+import io
+import os
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.paramserver import ParamServer
+from pipeline.run import Run
+from pipeline.storage import open_store
+from pipeline.tasks import TASKS
+from pipeline.tasks.base import Problem
+from pipeline.tokenizer import get_tokenizer
+from tpu_jobs.model import init_model, load_flat_params
+from tpu_jobs.rollout_worker import sample_keys
+from tpu_jobs.sampler import Sampler
+
+PASS_RATE_STREAM = 0x9A55  # domain separator: pass-rate keys vs rollout/eval keys
+SCHEMA = pa.schema(
+    [
+        pa.field("problem_id", pa.string(), nullable=False),
+        pa.field("pass_rate", pa.float64(), nullable=False),
+        pa.field("k", pa.int64(), nullable=False),
+        pa.field("version", pa.int64(), nullable=False),
+        pa.field("task", pa.string(), nullable=False),
+        pa.field("num_correct", pa.int64(), nullable=False),
+    ]
+)
+_COLUMNS = ["problem_id", "task", "prompt", "answer", "meta"]
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    """gs://bucket/a/b.parquet -> (gs://bucket/a, b.parquet); local paths likewise."""
+    head, _, name = url.rstrip("/").rpartition("/")
+    return head, name
+
+
+def match_files(pattern: str) -> list[str]:
+    """Files matching a local or gs:// glob, sorted."""
+    if not pattern.startswith("gs://"):
+        return sorted(
+            p for p in glob.glob(os.path.abspath(pattern), recursive=True) if os.path.isfile(p)
+        )
+    bucket, _, name = pattern[len("gs://") :].partition("/")
+    cut = min((name.index(c) for c in "*?[" if c in name), default=len(name))
+    store = open_store(f"gs://{bucket}")
+    return sorted(
+        f"gs://{bucket}/{k}" for k in store.list(name[:cut]) if fnmatch.fnmatchcase(k, name)
+    )
+
+
+def _read_bytes(url: str) -> bytes:
+    if not url.startswith("gs://"):
+        with open(url, "rb") as f:
+            return f.read()
+    head, name = _split_url(url)
+    return open_store(head).read(name)
+
+
+def load_problems(pattern: str) -> list[Problem]:
+    """Problem rows of every matched Parquet file, unique by id, in id order."""
+    files = match_files(pattern)
+    if not files:
+        raise SystemExit(f"pass_rates: --data {pattern!r} matched no files")
+    by_id: dict[str, Problem] = {}
+    for path in files:
+        table = pq.read_table(io.BytesIO(_read_bytes(path)))
+        missing = [c for c in _COLUMNS[:4] if c not in table.column_names]
+        if missing:
+            raise SystemExit(
+                f"pass_rates: {path} lacks columns {missing}; Problem rows need "
+                f"{', '.join(_COLUMNS)}"
+            )
+        cols = [c for c in _COLUMNS if c in table.column_names]
+        for row in table.select(cols).to_pylist():
+            p = Problem.from_dict(row)
+            by_id.setdefault(p.problem_id, p)
+    return [by_id[k] for k in sorted(by_id)]
+
+
+def pass_rates(
+    run: Run,
+    problems: list[Problem],
+    k: int,
+    version: int | None,
+    *,
+    temperature: float | None = None,
+    batch_size: int | None = None,
+    log=print,
+) -> pa.Table:
+    """Sample k completions per problem with one weight version and score them."""
+    cfg = run.config
+    snapshot = ParamServer(run.store).pull(version)
+    tok = get_tokenizer("char")
+    model = init_model(cfg.model, cfg.seed)
+    load_flat_params(model, snapshot.tensors)
+    sampler = Sampler(cfg.model, pad_id=tok.pad_id, eos_id=tok.eos_id)
+    temperature = cfg.sampler.temperature if temperature is None else temperature
+    batch_size = batch_size or cfg.eval.batch_size
+    keys = sample_keys(cfg.seed, PASS_RATE_STREAM, snapshot.version, 0, len(problems), k)
+    rows = [(pi, s) for pi in range(len(problems)) for s in range(k)]
+    correct = np.zeros((len(problems), k), np.int64)
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        out = sampler.generate(
+            model,
+            [tok.encode_prompt(problems[pi].prompt) for pi, _ in chunk],
+            keys[start : start + len(chunk)],
+            max_new_tokens=cfg.sampler.max_new_tokens,
+            temperature=temperature,
+            top_k=cfg.sampler.top_k,
+            top_p=cfg.sampler.top_p,
+        )
+        for r, (pi, s) in enumerate(chunk):
+            text = tok.decode(out.tokens[r, : int(out.lengths[r])].tolist())
+            p = problems[pi]
+            correct[pi, s] = TASKS[p.task].verify(p, text) >= 1.0
+        log(
+            f"[pass-rates] v{snapshot.version}: {min(start + batch_size, len(rows))}/{len(rows)}"
+            " samples"
+        )
+    n_correct = correct.sum(axis=1)
+    return pa.Table.from_pydict(
+        {
+            "problem_id": [p.problem_id for p in problems],
+            "pass_rate": (n_correct / k).astype(np.float64),
+            "k": np.full(len(problems), k, np.int64),
+            "version": np.full(len(problems), snapshot.version, np.int64),
+            "task": [p.task for p in problems],
+            "num_correct": n_correct,
+        },
+        schema=SCHEMA,
+    )
+
+
+def default_key(version: int, k: int, problems: list[Problem]) -> str:
+    digest = hashlib.sha256("\n".join(p.problem_id for p in problems).encode()).hexdigest()
+    return f"pass_rates/v{version:08d}-k{k}-{digest[:12]}.parquet"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m tpu_jobs.pass_rates",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--run", required=True, help="run URL (local dir or gs://)")
+    ap.add_argument("--data", required=True, help="glob of Problem Parquet files")
+    ap.add_argument("--k", type=int, default=8, help="samples per problem")
+    ap.add_argument("--version", type=int, help="weight version (default: latest published)")
+    ap.add_argument("--output", help="output Parquet URL (default: inside the run, see above)")
+    ap.add_argument("--temperature", type=float, help="default: the run's sampler.temperature")
+    ap.add_argument(
+        "--batch-size", type=int, help="rows per generate call (default: eval.batch_size)"
+    )
+    args = ap.parse_args(argv)
+    if args.k < 1:
+        ap.error(f"--k={args.k} is invalid; allowed: >= 1")
+
+    run = Run.open(args.run)
+    problems = load_problems(args.data)
+    unknown = sorted({p.task for p in problems} - set(TASKS))
+    if unknown:
+        print(
+            f"[pass-rates] skipping {sum(p.task in unknown for p in problems)} problems of "
+            f"tasks without a verifier: {', '.join(unknown)} (known: {', '.join(sorted(TASKS))})"
+        )
+        problems = [p for p in problems if p.task in TASKS]
+    if not problems:
+        print("pass_rates: no problem with a known task to rate", file=sys.stderr)
+        return 2
+    version = args.version if args.version is not None else ParamServer(run.store).latest_version()
+    if version is None:
+        print(f"pass_rates: run {args.run} has no published weights yet", file=sys.stderr)
+        return 2
+    if args.output:
+        out = args.output if "://" in args.output else os.path.abspath(args.output)
+        head, key = _split_url(out)
+        store = open_store(head)
+    else:
+        store, key = run.store, default_key(version, args.k, problems)
+    if store.exists(key):
+        print(f"[pass-rates] {store.url_of(key)} exists; nothing to do")
+        return 0
+    t0 = time.time()
+    table = pass_rates(
+        run, problems, args.k, version, temperature=args.temperature, batch_size=args.batch_size
+    )
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    store.write_new(key, sink.getvalue())
+    rates = table.column("pass_rate").to_numpy()
+    print(
+        f"[pass-rates] wrote {store.url_of(key)}: {len(rates)} problems, k={args.k}, "
+        f"v{version}, mean pass rate {rates.mean():.3f}, {time.time() - t0:.1f}s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
