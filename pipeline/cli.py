@@ -1,12 +1,14 @@
 """`rlax`: the command line of the pipeline.
 
-    rlax demo   [--config FILE] [--run URL] [--workers N] [key=value ...]
+    rlax demo   [--config FILE] [--run URL] [--workers N] [--airflow] [key=value ...]
     rlax init   --run URL [--config FILE] [key=value ...]   create a run and its data
     rlax sft    --run URL                                   SFT bootstrap (base model)
     rlax train  --run URL                                   the RL trainer
     rlax rollout --run URL [--worker-id ID]                 one rollout worker (join any time)
     rlax eval   --run URL [--version all|latest|N] [--follow]
     rlax report --run URL
+    rlax airflow [--port N]                                 serve a local Airflow (UI)
+    rlax chaos  [--config FILE] [--kills 20] [--out FILE]   kill -9 at random, compare
 
 Overrides are dotted config paths, e.g. `trainer.lr=3e-4 task.families=arithmetic`.
 Job roles run as their own processes through `pipeline.launcher`, the same command a
@@ -24,6 +26,7 @@ from pipeline import launcher
 from pipeline.config import ConfigError, load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+DEFAULT_CHAOS_CONFIG = DEFAULT_CONFIG.parent / "chaos.yaml"
 
 
 def _config(args: argparse.Namespace):
@@ -39,10 +42,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from pipeline.run import Run
 
     cfg = _config(args)
+    if getattr(args, "airflow", False):
+        from pipeline.airflow_local import demo_via_airflow
+
+        return demo_via_airflow(
+            cfg,
+            config_path=args.config or DEFAULT_CONFIG,
+            overrides=args.overrides,
+            run=args.run,
+            workers=args.workers,
+            eval_every=args.eval_every,
+        )
     url = args.run or f"{cfg.storage.root.rstrip('/')}/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     run = Run.create(url, cfg)
     run_demo(run, workers=cfg.workers, eval_every=args.eval_every)
     return 0
+
+
+def cmd_airflow(args: argparse.Namespace) -> int:
+    from pipeline.airflow_local import DEFAULT_HOME, serve
+
+    return serve(Path(args.home or DEFAULT_HOME), port=args.port, parallelism=args.parallelism)
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -53,6 +73,36 @@ def cmd_init(args: argparse.Namespace) -> int:
     n_train, n_eval = write_data(run)
     print(f"run {run.url}: {n_train} training and {n_eval} held-out problems")
     return 0
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    import json
+
+    from pipeline.chaos import ChaosSettings, format_report, run_chaos
+
+    cfg = load_config(args.config or DEFAULT_CHAOS_CONFIG, args.overrides)
+    root = args.root or f"{cfg.storage.root.rstrip('/')}/chaos-{time.strftime('%Y%m%d-%H%M%S')}"
+    settings = ChaosSettings(
+        kills=args.kills,
+        workers=args.workers,
+        seed=args.seed,
+        min_interval_s=args.min_interval,
+        max_interval_s=args.max_interval,
+    )
+    result = run_chaos(root, cfg, settings)
+    table = format_report(result)
+    print(table)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(f"# Chaos run\n\n`rlax chaos` root: `{root}`\n\n{table}\n")
+        Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2))
+    ok = (
+        result["identical"]
+        and result["batches_lost"] == 0
+        and not result["latest_moved_backwards"]
+        and result["batches_produced_twice"] == 0
+    )
+    return 0 if ok else 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -88,12 +138,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", help="run URL (default: {storage.root}/demo-TIMESTAMP)")
     p.add_argument("--workers", type=int, help="number of rollout worker processes")
     p.add_argument("--eval-every", type=int, default=5, help="evaluate every Nth version")
+    p.add_argument(
+        "--airflow",
+        action="store_true",
+        help="run it as a run of the rlax_rl_training DAG on a local Airflow "
+        "(standalone, LocalExecutor, SQLite, 127.0.0.1, AIRFLOW_HOME=./airflow_home)",
+    )
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("airflow", help="serve a local Airflow (UI on 127.0.0.1) until Ctrl-C")
+    p.add_argument("--home", help="AIRFLOW_HOME (default: ./airflow_home of the project)")
+    p.add_argument("--port", type=int, default=8080, help="API/UI port (0: a free one)")
+    p.add_argument("--parallelism", type=int, default=8, help="task slots (LocalExecutor)")
+    p.set_defaults(func=cmd_airflow)
 
     p = sub.add_parser("init", help="create a run and generate its data")
     with_config(p)
     p.add_argument("--run", required=True)
     p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("chaos", help="SIGKILL processes at random; prove the run is unchanged")
+    with_config(p)
+    p.add_argument("--root", help="where the reference and chaos runs go")
+    p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-interval", type=float, default=1.0, help="seconds between kills, min")
+    p.add_argument("--max-interval", type=float, default=5.0, help="seconds between kills, max")
+    p.add_argument("--out", help="write the report table (markdown) and JSON here")
+    p.set_defaults(func=cmd_chaos)
 
     p = sub.add_parser("report", help="write the markdown + PNG report of a run")
     p.add_argument("--run", required=True)

@@ -8,6 +8,7 @@ work whose output is already there.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -77,17 +78,18 @@ class Fleet:
 
 
 def _follow(run: Run, fleet: Fleet, stream: str, total: int, desc: str, until, postfix=None):
+    """Show a progress bar driven by the metric records (their index is the step)."""
     bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stdout)
-    seen = 0
+    last = None
     try:
         while True:
             fleet.check()
             keys = list(run.iter_metric_keys(stream))
-            if len(keys) > seen:
-                bar.update(len(keys) - seen)
-                seen = len(keys)
+            if keys and keys[-1] != last:
+                last = keys[-1]
+                bar.update(int(last.rsplit("/", 1)[-1].split(".")[0]) - bar.n)
                 if postfix is not None:
-                    bar.set_postfix_str(postfix(run, keys[-1]))
+                    bar.set_postfix_str(postfix(run, last))
             if until():
                 break
             time.sleep(1.0)
@@ -96,10 +98,11 @@ def _follow(run: Run, fleet: Fleet, stream: str, total: int, desc: str, until, p
 
 
 def _reward_postfix(run: Run, key: str) -> str:
-    import json
+    return f"reward {json.loads(run.store.read(key))['reward_mean']:.3f}"
 
-    rec = json.loads(run.store.read(key))
-    return f"reward {rec['reward_mean']:.3f}"
+
+def _loss_postfix(run: Run, key: str) -> str:
+    return f"loss {json.loads(run.store.read(key))['loss']:.3f}"
 
 
 def run_demo(run: Run, workers: int, eval_every: int) -> str:
@@ -116,7 +119,7 @@ def run_demo(run: Run, workers: int, eval_every: int) -> str:
     print(f"[2/5] SFT bootstrap on a noisy teacher ({cfg.sft.steps} steps)")
     fleet = Fleet(run)
     fleet.start("sft", "sft")
-    _follow(run, fleet, "sft", cfg.sft.steps // 25 * 25, "sft", lambda: not fleet.alive("sft"))
+    _follow(run, fleet, "sft", cfg.sft.steps, "sft", lambda: not fleet.alive("sft"), _loss_postfix)
     fleet.check()
 
     print(f"[3/5] RL: trainer + {workers} rollout workers as separate processes")

@@ -174,3 +174,14 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
         client=emulator.client(),
         retry=_fast_retry(),
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    """A tiny run with data and an SFT'd base model (pass@1 ~0.3), trained once per session.
+
+    Clone it with `tests.runs.clone_run` to get runs whose RL steps have real gradients.
+    """
+    from tests.runs import make_base, tiny_config
+
+    return make_base(str(tmp_path_factory.mktemp("tiny-base") / "run"), tiny_config())

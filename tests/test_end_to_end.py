@@ -27,7 +27,7 @@ def _wait(procs, timeout):
 
 def test_tiny_run_trainer_and_worker_processes(tmp_path):
     t0 = time.time()
-    cfg = load_config(ROOT / "configs/tiny.yaml")
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["sft.steps=20"])
     run = Run.create(str(tmp_path / "run"), cfg)
     write_data(run)
     logs = tmp_path / "logs"

@@ -14,17 +14,20 @@ A snapshot that fails its checksums is refused and the worker keeps its weights.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
 import sys
 import time
+import uuid
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipeline import failpoints
 from pipeline.leases import BatchLeases
 from pipeline.paramserver import CorruptSnapshotError, ParamServer
 from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
@@ -150,16 +153,32 @@ class RolloutWorker:
                 time.sleep(1.0)
                 continue
             batch = self.generate_batch(index, version)
+            failpoints.hit("rollout.before_commit", index)
             committed = self.leases.commit_batch(index, to_parquet_bytes(batch))
             self.leases.release(lease)
             self.batches_done += committed
             dt = time.time() - t0
+            self._record_attempt(batch, committed, dt)
             self.log(
                 f"[{self.worker_id}] batch {index} v{version} reward {batch.reward.mean():.3f} "
                 f"{batch.num_tokens() / dt:,.0f} tok/s"
                 + ("" if committed else " (already committed by another worker; discarded)")
             )
         return self.batches_done
+
+    def _record_attempt(self, batch: RolloutBatch, committed: bool, seconds: float) -> None:
+        """One record per generated batch, so duplicated (wasted) work can be counted."""
+        record = {
+            "batch_index": batch.batch_index,
+            "worker_id": self.worker_id,
+            "policy_version": batch.policy_version,
+            "committed": bool(committed),
+            "tokens": batch.num_tokens(),
+            "reward_mean": float(batch.reward.mean()),
+            "seconds": seconds,
+        }
+        key = f"metrics/rollout/b{batch.batch_index:08d}-{uuid.uuid4().hex[:12]}.json"
+        self.run.store.write_new(key, json.dumps(record, sort_keys=True).encode())
 
     def _dropped(self) -> int:
         return len(self.run.store.list("metrics/dropped/"))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pipeline import failpoints
 from pipeline.leases import BatchLeases
 from pipeline.paramserver import ParamServer, StaleEpochError
 from pipeline.rollouts import RolloutBatch, from_parquet_bytes
@@ -106,7 +107,7 @@ class Trainer:
             params, ref_params, tokens, mask, comp_mask, logp_behaviour, rewards
         )
         updates, opt_state = self.tx.update(grads, opt_state, params)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["loss"] = loss
         return optax.apply_updates(params, updates), opt_state, metrics
 
@@ -231,6 +232,8 @@ class Trainer:
                 self.ckpt.save(
                     state.step, (state.params, state.opt_state), self._meta(state, epoch)
                 )
+                # Tests kill here, while the async write is still in flight.
+                failpoints.hit("trainer.checkpoint_started", state.step)
         if self._stop:
             self.log(f"[trainer] stop requested; checkpointing step {state.step}")
             self.ckpt.save(state.step, (state.params, state.opt_state), self._meta(state, epoch))

@@ -1,0 +1,274 @@
+"""`rlax chaos`: kill processes at random during training and prove nothing is lost.
+
+Two runs with the same config and the same base model: an uninterrupted reference, and
+a chaos run where a trainer and N rollout workers are SIGKILLed at random moments and
+restarted the way an Airflow retry would restart them. At the end the final published
+parameters of both must be bit-identical, every batch index must have been produced
+exactly once and consumed, and `LATEST` must never have moved backwards.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline import launcher
+from pipeline.config import RunConfig
+from pipeline.paramserver import ParamServer
+from pipeline.run import DONE_KEY, Run
+
+
+@dataclass(frozen=True)
+class ChaosSettings:
+    kills: int = 20
+    min_interval_s: float = 1.0
+    max_interval_s: float = 5.0
+    restart_delay_s: float = 0.5
+    workers: int = 2
+    seed: int = 0
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class ChaosStats:
+    kills: dict[str, int] = field(default_factory=lambda: {"trainer": 0, "rollout": 0})
+    restarts: int = 0
+    workers_killed_holding_lease: int = 0
+    latest_history: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+class _LatestMonitor(threading.Thread):
+    """Polls LATEST and records every value seen, to check it never moves backwards."""
+
+    def __init__(self, ps: ParamServer, out: list[int]) -> None:
+        super().__init__(daemon=True)
+        self.ps, self.out, self.stop = ps, out, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                v = self.ps.latest_version()
+            except Exception:  # noqa: BLE001 - a torn read mid-CAS is retried next poll
+                v = None
+            if v is not None and (not self.out or self.out[-1] != v):
+                self.out.append(v)
+            time.sleep(0.05)
+
+
+def _copy_prefix(src: Run, dst: Run, prefix: str) -> None:
+    for key in src.store.list(prefix):
+        dst.store.write_new(key, src.store.read(key))
+
+
+def prepare(root: str, cfg: RunConfig) -> tuple[Run, Run]:
+    """Reference and chaos runs sharing data and one SFT base model."""
+    from pipeline.demo import write_data
+
+    ref = Run.create(f"{root.rstrip('/')}/reference", cfg)
+    chaos = Run.create(f"{root.rstrip('/')}/chaos", cfg)
+    write_data(ref)
+    if not ref.store.list("base/"):
+        code = launcher.run_job("sft", ref.url)
+        if code != 0:
+            raise RuntimeError(f"SFT bootstrap of {ref.url} failed with exit code {code}")
+    for prefix in ("data/", "base/"):
+        _copy_prefix(ref, chaos, prefix)
+    return ref, chaos
+
+
+def _logs(run: Run) -> Path:
+    from pipeline.demo import log_dir
+
+    return log_dir(run)
+
+
+def _start(run: Run, name: str) -> subprocess.Popen:
+    role, extra = ("train", ()) if name == "trainer" else ("rollout", ("--worker-id", name))
+    return launcher.start(role, run.url, extra, log_path=_logs(run) / f"{name}.log")
+
+
+def run_uninterrupted(run: Run, workers: int, timeout_s: float) -> float:
+    t0 = time.time()
+    procs = {n: _start(run, n) for n in ["trainer", *[f"worker{i}" for i in range(workers)]]}
+    try:
+        for name, p in procs.items():
+            code = p.wait(max(1.0, timeout_s - (time.time() - t0)))
+            if code != 0:
+                raise RuntimeError(f"{name} of the reference run exited with {code}")
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    return time.time() - t0
+
+
+def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
+    rng = random.Random(s.seed)
+    stats = ChaosStats()
+    monitor = _LatestMonitor(ParamServer(run.store), stats.latest_history)
+    monitor.start()
+    names = ["trainer", *[f"worker{i}" for i in range(s.workers)]]
+    procs = {n: _start(run, n) for n in names}
+    t0 = time.time()
+    next_kill = t0 + rng.uniform(s.min_interval_s, s.max_interval_s)
+    try:
+        while True:
+            if time.time() - t0 > s.timeout_s:
+                raise TimeoutError(f"chaos run did not finish within {s.timeout_s}s")
+            finished = {n for n, p in procs.items() if p.poll() == 0}
+            for n, p in procs.items():
+                code = p.poll()
+                if code not in (None, 0, -signal.SIGKILL):
+                    tail = (_logs(run) / f"{n}.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{n} failed with exit code {code}:\n{tail}")
+            if "trainer" in finished and finished >= set(names):
+                break
+            done = run.store.exists(DONE_KEY)
+            total_kills = sum(stats.kills.values())
+            live = [n for n, p in procs.items() if p.poll() is None]
+            if not done and total_kills < s.kills and live and time.time() >= next_kill:
+                victim = rng.choice(live)
+                if victim != "trainer":
+                    held = [le for le in _live_leases(run) if le.worker_id == victim]
+                    stats.workers_killed_holding_lease += bool(held)
+                procs[victim].send_signal(signal.SIGKILL)
+                procs[victim].wait()
+                stats.kills["trainer" if victim == "trainer" else "rollout"] += 1
+                log(
+                    f"[chaos] kill {total_kills + 1}/{s.kills}: {victim} at "
+                    f"t={time.time() - t0:.1f}s (LATEST v{_latest(run)})"
+                )
+                time.sleep(s.restart_delay_s)
+                procs[victim] = _start(run, victim)
+                stats.restarts += 1
+                next_kill = time.time() + rng.uniform(s.min_interval_s, s.max_interval_s)
+            time.sleep(0.05)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        monitor.stop.set()
+        monitor.join()
+    stats.wall_s = time.time() - t0
+    return stats
+
+
+def _live_leases(run: Run):
+    from pipeline.leases import BatchLeases
+
+    return BatchLeases(run.store, ttl_seconds=run.config.rollout.lease_seconds).live_leases()
+
+
+def _latest(run: Run) -> int | None:
+    return ParamServer(run.store).latest_version()
+
+
+def final_params_equal(a: Run, b: Run) -> tuple[bool, str]:
+    pa, pb = ParamServer(a.store), ParamServer(b.store)
+    va, vb = pa.latest_version(), pb.latest_version()
+    if va != vb:
+        return False, f"final versions differ: v{va} vs v{vb}"
+    ta, tb = pa.pull(va).tensors, pb.pull(vb).tensors
+    if set(ta) != set(tb):
+        return False, "tensor names differ"
+    for name in sorted(ta):
+        x, y = np.asarray(ta[name]), np.asarray(tb[name])
+        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+            diff = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64))))
+            return False, f"{name} differs (max abs diff {diff:.3g})"
+    return True, f"all {len(ta)} tensors of v{va} bit-identical"
+
+
+def account(run: Run, stats: ChaosStats) -> dict[str, Any]:
+    """Batches produced / consumed / produced twice / lost, wasted work, restores."""
+    steps = run.config.trainer.steps
+    committed = [
+        int(k.split("/b")[1][:8]) for k in run.store.list("rollouts/") if k.endswith(".parquet")
+    ]
+    attempts = [json.loads(run.store.read(k)) for k in run.store.list("metrics/rollout/")]
+    commits_per_index: dict[int, int] = {}
+    for a in attempts:
+        if a["committed"]:
+            commits_per_index[a["batch_index"]] = commits_per_index.get(a["batch_index"], 0) + 1
+    consumed = sorted(r["batch_index"] for r in run.read_metrics("train"))
+    trainer_log = (_logs(run) / "trainer.log").read_text(errors="replace")
+    step_lines = trainer_log.count("[trainer] step ")
+    history = stats.latest_history
+    return {
+        "steps": steps,
+        "kills": dict(stats.kills),
+        "kills_total": sum(stats.kills.values()),
+        "restarts": stats.restarts,
+        "batches_produced": len(committed),
+        "batches_consumed": len(set(consumed)),
+        "batches_produced_twice": sum(1 for c in commits_per_index.values() if c > 1),
+        "batches_lost": len(set(range(steps)) - set(consumed)),
+        "latest_moved_backwards": any(b < a for a, b in zip(history, history[1:], strict=False)),
+        "latest_history": history,
+        "checkpoints_restored": trainer_log.count("resumed from checkpoint"),
+        "trainer_steps_recomputed": max(0, step_lines - steps),
+        "generation_attempts_discarded": sum(1 for a in attempts if not a["committed"]),
+        "tokens_discarded": sum(a["tokens"] for a in attempts if not a["committed"]),
+        "workers_killed_mid_batch": stats.workers_killed_holding_lease,
+        "chaos_wall_s": round(stats.wall_s, 1),
+    }
+
+
+def format_report(result: dict[str, Any]) -> str:
+    rows = [
+        ("final parameters bit-identical", result["identical"]),
+        ("comparison", result["comparison"]),
+        (
+            "kills (trainer / rollout)",
+            f"{result['kills']['trainer']} / {result['kills']['rollout']}",
+        ),
+        ("restarts", result["restarts"]),
+        (
+            "batches produced / consumed",
+            f"{result['batches_produced']} / {result['batches_consumed']} of {result['steps']}",
+        ),
+        ("batches produced twice", result["batches_produced_twice"]),
+        ("batches lost", result["batches_lost"]),
+        ("LATEST moved backwards", result["latest_moved_backwards"]),
+        ("checkpoints restored", result["checkpoints_restored"]),
+        ("trainer steps recomputed after a kill", result["trainer_steps_recomputed"]),
+        (
+            "workers killed mid-batch (lease expired, batch redone)",
+            result["workers_killed_mid_batch"],
+        ),
+        (
+            "generation attempts discarded / tokens",
+            f"{result['generation_attempts_discarded']} / {result['tokens_discarded']}",
+        ),
+        (
+            "wall time: uninterrupted / chaos",
+            f"{result['reference_wall_s']:.1f}s / "
+            f"{result['chaos_wall_s']:.1f}s "
+            f"({result['chaos_wall_s'] / max(result['reference_wall_s'], 1e-9):.2f}x)",
+        ),
+    ]
+    lines = ["| measure | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+def run_chaos(root: str, cfg: RunConfig, settings: ChaosSettings, log=print) -> dict[str, Any]:
+    ref, chaos = prepare(root, cfg)
+    log(f"[chaos] reference run {ref.url}")
+    ref_wall = run_uninterrupted(ref, settings.workers, settings.timeout_s)
+    log(f"[chaos] reference finished in {ref_wall:.1f}s; chaos run {chaos.url}")
+    stats = run_with_chaos(chaos, settings, log)
+    result = account(chaos, stats)
+    identical, comparison = final_params_equal(ref, chaos)
+    result.update(identical=identical, comparison=comparison, reference_wall_s=round(ref_wall, 1))
+    return result

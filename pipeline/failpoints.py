@@ -1,0 +1,32 @@
+"""Named crash points, so tests can SIGKILL a process at an exact moment.
+
+`RLAX_FAILPOINTS="trainer.checkpoint_started@4,rollout.before_commit@1"` makes the
+process kill itself (SIGKILL: no cleanup, no flush) when it reaches that point with that
+index. Unset in normal runs, where `hit` costs one environment lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+ENV = "RLAX_FAILPOINTS"
+
+
+def armed(name: str, index: int | None = None) -> bool:
+    for item in filter(None, os.environ.get(ENV, "").split(",")):
+        point, _, at = item.strip().partition("@")
+        if point == name and (not at or index is None or int(at) == index):
+            return True
+    return False
+
+
+def hit(name: str, index: int | None = None, before: Callable[[], None] | None = None) -> None:
+    """SIGKILL this process if the failpoint `name` (at `index`) is armed."""
+    if armed(name, index):
+        if before is not None:
+            before()
+        print(f"[failpoint] {name}@{index}: SIGKILL", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
