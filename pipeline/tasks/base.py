@@ -1,0 +1,113 @@
+"""Problems and the `Task` interface every verifiable task family implements.
+
+A completion is free text (the worked solution) that ends with the final-answer marker
+`ANSWER_MARKER` followed by the answer; verifiers read only what follows the LAST marker,
+so a model may think aloud, even write the marker, before committing to an answer.
+Verifiers never raise and never execute model text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.config import SFTConfig, TaskConfig
+
+ANSWER_MARKER = "#"
+
+
+def problem_id(task: str, content: str) -> str:
+    """Stable id: sha1 of the family name and the canonical problem text, 16 hex chars."""
+    return hashlib.sha1(f"{task}\x00{content}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One verifiable problem; `meta` is a JSON-serialisable dict the verifier may use."""
+
+    problem_id: str
+    task: str
+    prompt: str
+    answer: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __hash__(self) -> int:  # meta is a dict; the id identifies the problem
+        return hash(self.problem_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "problem_id": self.problem_id,
+            "task": self.task,
+            "prompt": self.prompt,
+            "answer": self.answer,
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> Problem:
+        """Inverse of `to_dict`; `meta` may also be the JSON text stored in Parquet."""
+        missing = [k for k in ("problem_id", "task", "prompt", "answer") if k not in row]
+        if missing:
+            raise ValueError(f"problem row lacks {missing}; needs problem_id, task, prompt, answer")
+        meta = row.get("meta") or {}
+        if isinstance(meta, str):
+            meta = json.loads(meta)
+        return cls(
+            problem_id=str(row["problem_id"]),
+            task=str(row["task"]),
+            prompt=str(row["prompt"]),
+            answer=str(row["answer"]),
+            meta=dict(meta),
+        )
+
+
+def make_problem(task: str, prompt: str, answer: str, meta: dict[str, Any]) -> Problem:
+    """A problem whose id hashes the prompt (each family's prompt is canonical)."""
+    return Problem(problem_id(task, prompt), task, prompt, answer, meta)
+
+
+def final_answer(completion: str, max_chars: int) -> str | None:
+    """Text after the last `ANSWER_MARKER`, spaces stripped; None if absent or too long."""
+    if not isinstance(completion, str):
+        return None
+    at = completion.rfind(ANSWER_MARKER)
+    if at < 0:
+        return None
+    tail = completion[at + len(ANSWER_MARKER) :]
+    if len(tail) > max_chars:  # bound the work before any stripping or parsing
+        return None
+    return tail.strip(" ")
+
+
+class Task(ABC):
+    """A family of verifiable problems with a noisy teacher for the SFT bootstrap."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def sample_problem(self, rng: np.random.Generator, cfg: TaskConfig) -> Problem:
+        """One random problem (deterministic given the generator state)."""
+
+    @abstractmethod
+    def teacher_solution(
+        self, problem: Problem, rng: np.random.Generator, sft_cfg: SFTConfig
+    ) -> str:
+        """A worked completion (without EOS) carrying the teacher's systematic mistakes."""
+
+    @abstractmethod
+    def extract_answer(self, completion: str) -> str | None:
+        """The final answer written after the last marker, or None when there is none."""
+
+    @abstractmethod
+    def verify(self, problem: Problem, completion: str) -> float:
+        """Reward in [0, 1]. Never raises, never executes anything."""
+
+    @abstractmethod
+    def max_completion_chars(self, cfg: TaskConfig) -> int:
+        """An upper bound on the length of any teacher completion under `cfg`."""

@@ -1,0 +1,111 @@
+"""Tokenizers: the `Tokenizer` protocol every role codes against, and the char tokenizer.
+
+Special ids are fixed by docs/CONVENTIONS.md: PAD=0, BOS=1, EOS=2, UNK=3. A prompt is
+encoded as `[BOS] + encode(text)` and a completion as `encode(text) + [EOS]`.
+
+`CharTokenizer` maps each character of a fixed charset (`CHARSET`, everything the task
+families write) to one id after the specials, so `vocab_size = 4 + len(CHARSET) <= 64`
+(the default `ModelConfig.vocab_size`). Characters outside the charset encode to UNK and
+never raise: model text and adversarial answers must always round-trip through the
+pipeline. A Hugging Face `tokenizers.Tokenizer` can satisfy the same protocol through a
+thin adapter that subclasses `TokenizerBase` and maps the specials.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+NUM_SPECIAL = 4
+
+# Everything the task families write (digits, operators, the answer marker '#',
+# separators, lowercase letters); one id each, in this order, after the specials.
+CHARSET = "0123456789+-*/()=#,;:.<>? abcdefghijklmnopqrstuvwxyz"
+
+# What `decode` writes for UNK or an id outside the vocabulary (a model whose embedding
+# table is wider than the tokenizer can sample one): visible, and never a digit.
+REPLACEMENT = "\ufffd"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the sampler, trainer, SFT and evaluator need from a tokenizer."""
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`, without BOS/EOS. Never raises on unknown characters."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; PAD/BOS/EOS are skipped (decoding does not stop at EOS)."""
+        ...
+
+    def encode_prompt(self, text: str) -> list[int]: ...
+
+    def encode_completion(self, text: str) -> list[int]: ...
+
+
+class TokenizerBase:
+    """`encode_prompt`/`encode_completion` in terms of `encode` and the special ids."""
+
+    bos_id: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return [self.bos_id, *self.encode(text)]
+
+    def encode_completion(self, text: str) -> list[int]:
+        return [*self.encode(text), self.eos_id]
+
+
+class CharTokenizer(TokenizerBase):
+    """One id per character of `charset`; unknown characters -> UNK."""
+
+    def __init__(self, charset: str = CHARSET):
+        if len(set(charset)) != len(charset):
+            raise ValueError(f"charset {charset!r} has repeated characters; each must be unique")
+        self.charset = charset
+        self._to_id = {c: i + NUM_SPECIAL for i, c in enumerate(charset)}
+        self._to_char = dict(enumerate(charset, start=NUM_SPECIAL))
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
+
+    @property
+    def vocab_size(self) -> int:
+        return NUM_SPECIAL + len(self.charset)
+
+    def encode(self, text: str) -> list[int]:
+        get = self._to_id.get
+        return [get(c, UNK_ID) for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i in (PAD_ID, BOS_ID, EOS_ID):
+                continue
+            out.append(self._to_char.get(i, REPLACEMENT))
+        return "".join(out)
+
+
+TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {"char": CharTokenizer}
+
+
+def get_tokenizer(name: str = "char") -> Tokenizer:
+    if name not in TOKENIZERS:
+        raise ValueError(f"tokenizer {name!r} is unknown; allowed: {', '.join(TOKENIZERS)}")
+    return TOKENIZERS[name]()

@@ -1,0 +1,82 @@
+import numpy as np
+import pytest
+
+from pipeline.config import ModelConfig, SFTConfig, TaskConfig
+from pipeline.tasks import TASKS
+from pipeline.tokenizer import (
+    BOS_ID,
+    CHARSET,
+    EOS_ID,
+    PAD_ID,
+    REPLACEMENT,
+    UNK_ID,
+    CharTokenizer,
+    Tokenizer,
+    get_tokenizer,
+)
+
+TOK = get_tokenizer("char")
+
+
+def test_special_ids_and_vocab_size():
+    assert (TOK.pad_id, TOK.bos_id, TOK.eos_id) == (0, 1, 2) == (PAD_ID, BOS_ID, EOS_ID)
+    assert UNK_ID == 3
+    assert TOK.vocab_size == 4 + len(CHARSET) == 56
+    assert TOK.vocab_size <= ModelConfig().vocab_size == 64
+    ids = TOK.encode(CHARSET)
+    assert ids == list(range(4, 4 + len(CHARSET)))
+    assert isinstance(TOK, Tokenizer)
+
+
+def test_encode_prompt_and_completion():
+    # '0' is id 4, '+' is id 14, '#' is id 21 (their offsets in CHARSET plus 4 specials).
+    assert TOK.encode("0+#") == [4, 14, 21]
+    assert TOK.encode_prompt("12+3=") == [1, 5, 6, 14, 7, 20]
+    assert TOK.encode_completion("#15") == [21, 5, 9, 2]
+    assert (
+        TOK.encode("") == [] and TOK.encode_prompt("") == [1] and TOK.encode_completion("") == [2]
+    )
+
+
+def test_unknown_characters_map_to_unk_and_never_raise():
+    a, b = TOK.encode("a")[0], TOK.encode("b")[0]
+    assert TOK.encode("a\u20acb") == [a, UNK_ID, b]  # euro sign
+    assert TOK.encode("\uff11\uff12") == [UNK_ID, UNK_ID]  # full-width digits
+    assert TOK.encode("A\u200f\U0001f600\n") == [UNK_ID] * 4  # upper case, RLM, emoji, newline
+
+
+def test_decode_skips_specials_and_does_not_stop_at_eos():
+    ids = [PAD_ID, BOS_ID, *TOK.encode("7+"), EOS_ID, *TOK.encode("8"), EOS_ID, PAD_ID]
+    assert TOK.decode(ids) == "7+8"
+    # UNK and ids outside the vocabulary (a 64-wide model can sample them) stay visible.
+    assert TOK.decode([*TOK.encode("1"), UNK_ID, 60, 63, -1]) == "1" + REPLACEMENT * 4
+    assert TOK.decode(np.array([5, 6], dtype=np.int32)) == "12"
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_round_trip_of_every_prompt_and_teacher_solution(name):
+    task = TASKS[name]
+    rng = np.random.default_rng(7)
+    cfg = TaskConfig(max_digits=8, countdown_numbers=5)
+    clean, noisy = SFTConfig(carry_drop_prob=0.0, countdown_error_prob=0.0), SFTConfig()
+    for _ in range(300):
+        p = task.sample_problem(rng, cfg)
+        for text in (
+            p.prompt,
+            p.answer,
+            task.teacher_solution(p, rng, clean),
+            task.teacher_solution(p, rng, noisy),
+        ):
+            ids = TOK.encode(text)
+            assert UNK_ID not in ids, text
+            assert TOK.decode(ids) == text
+            assert TOK.decode(TOK.encode_prompt(text)) == text
+            assert TOK.decode(TOK.encode_completion(text)) == text
+
+
+def test_registry():
+    assert isinstance(get_tokenizer(), CharTokenizer)
+    with pytest.raises(ValueError, match="allowed: char"):
+        get_tokenizer("bpe")
+    with pytest.raises(ValueError, match="repeated"):
+        CharTokenizer("aa")
