@@ -31,3 +31,13 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VENV)-uv .pytest_cache .ruff_cache
+
+# A local Airflow (standalone: SQLite, LocalExecutor) on 127.0.0.1 with the DAGs of dags/;
+# AIRFLOW_HOME is ./airflow_home. Prints the UI URL and where the admin password is.
+airflow: $(STAMP)
+	$(VENV)/bin/rlax airflow $(ARGS)
+
+# `rlax demo` as a run of the rlax_rl_training DAG under that Airflow.
+.PHONY: airflow airflow-demo
+airflow-demo: $(STAMP)
+	$(VENV)/bin/rlax demo --airflow $(ARGS)

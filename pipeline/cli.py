@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--run", help="run URL (default: {storage.root}/demo-TIMESTAMP)")
     p.add_argument("--workers", type=int, help="number of rollout worker processes")
-    p.add_argument("--eval-every", type=int, default=5, help="evaluate every Nth version")
+    p.add_argument("--eval-every", type=int, default=20, help="evaluate every Nth version")
     p.add_argument(
         "--airflow",
         action="store_true",

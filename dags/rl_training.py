@@ -1,0 +1,115 @@
+"""### RLAX: RL training of a language model, end to end (`rlax_rl_training`)
+
+`curate` -> `bootstrap` -> (`train` || `rollout_worker` x N) -> `evaluate` -> `report`
+
+* **curate**: create the run (config file + the Params of the trigger form) and write its
+  problem data: synthetic problems from the task mix, or, when *Source data* is set, the
+  train/validation splits of the Beam curation job (`python -m beam_jobs.curate`).
+* **bootstrap**: the base model: SFT on a noisy teacher (`tpu_jobs.sft`), or, when *HF
+  checkpoint path* is set, an import of that checkpoint (`python -m tpu_jobs.hf import`).
+* **train** and **rollout_worker** (one mapped task per worker id) run *concurrently*:
+  the trainer consumes rollout batches and publishes weight versions; workers claim
+  batch leases, sample with the newest allowed version and commit batches; they exit when
+  the trainer has written `trainer/DONE.json`.
+* **evaluate**: every published version (`--version all`, every *N*th plus the last).
+* **report**: `report/report.md` + `report/curves.png` in the run directory.
+
+Tasks pass only the run URL through XCom. Each task starts its job as a process (the
+command line of `pipeline.launcher`), streams its output into the task log and fails
+with it. Retries (exponential backoff) resume: the trainer from its newest checkpoint,
+workers by re-claiming leases; batches and versions are create-only. The trainer and all
+workers hold an executor slot for the whole RL stage: keep workers + 1 within
+`[core] parallelism`. See docs/airflow.md.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from airflow.sdk import dag, get_current_context, task
+
+from dags.common import (
+    DEFAULT_ARGS,
+    add_rl_stage,
+    config_from_params,
+    curate_command,
+    hf_model_overrides,
+    local_path,
+    module_command,
+    rl_params,
+    run_role,
+    run_url_for,
+    stream_command,
+    worker_ids,
+    write_curated_data,
+)
+
+
+@dag(
+    dag_id="rlax_rl_training",
+    schedule=None,
+    start_date=datetime(2026, 1, 1),
+    catchup=False,
+    tags=["rlax", "rl", "training"],
+    doc_md=__doc__,
+    params=rl_params(),
+    default_args=DEFAULT_ARGS,
+    max_active_runs=4,
+)
+def rlax_rl_training():
+    @task(task_id="curate")
+    def curate() -> str:
+        """Create the run and write its problem data (synthetic, or curated by Beam)."""
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from pipeline.config import ConfigError
+        from pipeline.run import Run, RunError
+
+        ctx = get_current_context()
+        params = ctx["params"]
+        url = run_url_for(params, ctx["run_id"])
+        try:
+            hf = params.get("hf_checkpoint")
+            cfg = config_from_params(params, hf_model_overrides(hf) if hf else ())
+            run = Run.create(url, cfg)
+        except (ConfigError, RunError, ValueError) as err:  # a retry would fail the same way
+            raise AirflowFailException(str(err)) from err
+        print(f"[airflow] run {url} (config digest {cfg.digest()})")
+        source = params.get("source_data")
+        if source:
+            if not (run.has_problems("train") and run.has_problems("eval")):
+                out = local_path(run.store.url) + "/curated"
+                stream_command(
+                    curate_command([source], out, options={"seed": cfg.seed}), name="curate"
+                )
+            try:
+                n_train, n_eval = write_curated_data(run)
+            except ValueError as err:
+                raise AirflowFailException(str(err)) from err
+        else:
+            from pipeline.demo import write_data
+
+            n_train, n_eval = write_data(run)
+        print(f"[airflow] {n_train} training and {n_eval} held-out problems")
+        return url
+
+    @task(task_id="bootstrap")
+    def bootstrap(run_url: str) -> list[str]:
+        """The base model: SFT on a noisy teacher, or an HF checkpoint import."""
+        from pipeline.run import Run
+
+        run = Run.open(run_url)
+        hf = get_current_context()["params"].get("hf_checkpoint")
+        if hf:
+            stream_command(
+                module_command("tpu_jobs.hf", ["import", hf, "--run", run_url]), name="hf-import"
+            )
+        else:
+            run_role("sft", run_url)
+        return worker_ids(run.config.workers)  # the rollout workers to map over
+
+    run_url = curate()
+    add_rl_stage(run_url, bootstrap(run_url))
+
+
+rl_training_dag = rlax_rl_training()

@@ -1,0 +1,521 @@
+"""A project-local Airflow: `airflow standalone` on SQLite with the LocalExecutor.
+
+    rlax airflow                 # `make airflow`: serve the UI on 127.0.0.1 until Ctrl-C
+    rlax demo --airflow          # `make airflow-demo`: the demo run as a DAG run
+
+AIRFLOW_HOME is `./airflow_home` (gitignored) unless given; the DAGs are `dags/`. The
+API server (UI, REST) binds 127.0.0.1 only (the scheduler's and triggerer's log servers,
+which serve task log files to JWT-signed requests, bind every interface: standalone has no
+setting for their host); the admin password is generated once into
+`AIRFLOW_HOME/simple_auth_manager_passwords.json.generated` (the simple auth manager's
+passwords file). `airflow standalone` starts the API server, scheduler, DAG processor,
+triggerer and LocalExecutor workers as its children and leaves them running if only
+the parent is stopped, so it is started in a session of its own and stopped as a whole
+process group.
+
+Only the standard library at module level: the CLI imports this lazily, and the driver
+talks to Airflow over its REST API (v2, JWT from `/auth/token`), never by importing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_HOME = PROJECT_ROOT / "airflow_home"
+DAGS_FOLDER = PROJECT_ROOT / "dags"
+RL_DAG_ID = "rlax_rl_training"
+ADMIN = "admin"
+PASSWORDS_FILE = "simple_auth_manager_passwords.json.generated"
+TERMINAL_RUN_STATES = ("success", "failed")
+
+
+class AirflowError(RuntimeError):
+    """The local Airflow did not start, refused a request, or a DAG run failed."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_password(home: Path, user: str = ADMIN) -> str:
+    """The user's password in the simple auth manager's passwords file (created if needed:
+    the auth manager keeps passwords it finds and only generates missing ones)."""
+    path = home / PASSWORDS_FILE
+    passwords: dict[str, str] = {}
+    if path.is_file():
+        try:
+            passwords = json.loads(path.read_text() or "{}")
+        except json.JSONDecodeError:
+            passwords = {}
+    if user not in passwords:
+        passwords[user] = secrets.token_urlsafe(12)
+        home.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(passwords) + "\n")
+        path.chmod(0o600)
+    return passwords[user]
+
+
+def _secret(home: Path, name: str) -> str:
+    """A random secret made once per AIRFLOW_HOME (all components must agree on it)."""
+    path = home / name
+    if not path.is_file():
+        home.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(64))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def airflow_env(
+    home: Path, port: int, *, parallelism: int = 8, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Environment of a local `airflow standalone` (LocalExecutor, SQLite, 127.0.0.1)."""
+    venv_bin = str(Path(sys.executable).parent)
+    env = dict(os.environ)
+    env.update(
+        {
+            # Signs the API's JWTs, and the requests to the components' log servers.
+            "AIRFLOW__API_AUTH__JWT_SECRET": _secret(home, "jwt_secret"),
+            "AIRFLOW__API__SECRET_KEY": _secret(home, "api_secret_key"),
+            # The scheduler's and triggerer's log servers bind all interfaces on fixed
+            # ports (8793/8794) that a second local Airflow would collide with: free ones.
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW_HOME": str(home),
+            "PATH": venv_bin + os.pathsep + env.get("PATH", ""),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            # One worker process per slot (~60 MB each): the default 32 costs ~1.8 GB.
+            "AIRFLOW__CORE__PARALLELISM": str(parallelism),
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN}:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / PASSWORDS_FILE),
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(port),
+            "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+            # Task processes reach the API server here; it defaults to port 8080.
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+            "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
+            "AIRFLOW__LOGGING__COLORED_CONSOLE_LOG": "False",
+            "NO_PROXY": "127.0.0.1,localhost",
+            "no_proxy": "127.0.0.1,localhost",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class LocalAirflow:
+    """`airflow standalone` in the background, driven over the REST API."""
+
+    home: Path = DEFAULT_HOME
+    port: int = 0  # 0: a free one
+    parallelism: int = 8
+    env_extra: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    _token: str | None = None
+    _token_time: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.home / "standalone.log"
+
+    @property
+    def password_file(self) -> Path:
+        return self.home / PASSWORDS_FILE
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self, timeout: float = 300.0) -> LocalAirflow:
+        self.home = Path(self.home).resolve()
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        self.password = ensure_password(self.home)
+        env = airflow_env(self.home, self.port, parallelism=self.parallelism, extra=self.env_extra)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        try:
+            self.proc = subprocess.Popen(
+                [str(Path(sys.executable).parent / "airflow"), "standalone"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=PROJECT_ROOT,
+                start_new_session=True,  # its own process group, stopped as a whole
+            )
+        finally:
+            log.close()
+        try:
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Until the API server answers and the scheduler and DAG processor are healthy."""
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AirflowError(
+                    f"airflow standalone exited with code {self.proc.returncode}; "
+                    f"log tail:\n{self.log_tail()}"
+                )
+            try:
+                last = self._request("GET", "/api/v2/monitor/health", auth=False)
+                if all(
+                    (last.get(part) or {}).get("status") == "healthy"
+                    for part in ("metadatabase", "scheduler", "dag_processor")
+                ):
+                    return
+            except (urllib.error.URLError, OSError, AirflowError):
+                pass
+            time.sleep(1.0)
+        raise AirflowError(
+            f"Airflow not healthy after {timeout:.0f}s (last health: {last}); "
+            f"log tail:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the whole process group (scheduler, workers, API server...), then SIGKILL."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(pgid):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(0.5)
+            if not _group_alive(pgid):
+                break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        self.proc = None
+
+    def __enter__(self) -> LocalAirflow:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ REST
+    def token(self) -> str:
+        if self._token is None or time.monotonic() - self._token_time > 600:
+            answer = self._request(
+                "POST",
+                "/auth/token",
+                {"username": ADMIN, "password": self.password},
+                auth=False,
+            )
+            self._token = answer["access_token"]
+            self._token_time = time.monotonic()
+        return self._token
+
+    def _request(self, method: str, path: str, body: Any = None, *, auth: bool = True) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Accept", "application/json")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if auth:
+            req.add_header("Authorization", f"Bearer {self.token()}")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(req, timeout=30) as resp:
+                payload = resp.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:2000]
+            raise AirflowError(f"{method} {path}: HTTP {err.code}: {detail}") from None
+        return json.loads(payload) if payload else None
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        """A call to the REST API v2 (`path` below /api/v2)."""
+        return self._request(method, "/api/v2" + path, body)
+
+    def wait_for_dag(self, dag_id: str, timeout: float = 180.0) -> dict[str, Any]:
+        """Until the DAG processor has parsed `dag_id`; unpause it; fail on import errors."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                dag = self.api("GET", f"/dags/{dag_id}")
+                if dag.get("is_paused"):
+                    dag = self.api("PATCH", f"/dags/{dag_id}", {"is_paused": False})
+                return dag
+            except AirflowError as err:
+                if "HTTP 404" not in str(err):
+                    raise
+            errors = self.api("GET", "/importErrors").get("import_errors", [])
+            if errors:
+                raise AirflowError(
+                    "DAG import errors:\n" + "\n".join(e.get("stack_trace", "") for e in errors)
+                )
+            time.sleep(2.0)
+        raise AirflowError(f"DAG {dag_id} not parsed after {timeout:.0f}s")
+
+    def trigger(self, dag_id: str, conf: Mapping[str, Any], dag_run_id: str | None = None) -> str:
+        """Trigger a run with `conf` (validated against the DAG's Params); its run id."""
+        body: dict[str, Any] = {"logical_date": None, "conf": dict(conf)}
+        if dag_run_id:
+            body["dag_run_id"] = dag_run_id
+        return self.api("POST", f"/dags/{dag_id}/dagRuns", body)["dag_run_id"]
+
+    def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
+        return self.api("GET", f"/dags/{dag_id}/dagRuns/{_q(run_id)}")
+
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
+        answer = self.api("GET", f"/dags/{dag_id}/dagRuns/{_q(run_id)}/taskInstances?limit=100")
+        return answer["task_instances"]
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int, map_index=-1):
+        """The text of one try's task log: its structured events, one a line."""
+        path = (
+            f"/dags/{dag_id}/dagRuns/{_q(run_id)}/taskInstances/{task_id}/logs/"
+            f"{try_number}?full_content=true&map_index={map_index}"
+        )
+        lines = []
+        for item in self.api("GET", path).get("content") or []:
+            if not isinstance(item, dict):
+                lines.append(str(item))
+                continue
+            lines.append(str(item.get("event", "")))
+            for err in item.get("error_detail") or ():  # a task's exception, structured
+                if isinstance(err, dict):
+                    lines.append(f"{err.get('exc_type')}: {err.get('exc_value')}")
+        return "\n".join(lines)
+
+    def wait_for_run(
+        self,
+        dag_id: str,
+        run_id: str,
+        timeout: float,
+        on_poll: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None,
+        poll_s: float = 2.0,
+    ) -> str:
+        """Poll until the run is success/failed (or timeout); its final state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            run = self.dag_run(dag_id, run_id)
+            if on_poll is not None:
+                on_poll(run, self.task_instances(dag_id, run_id))
+            if run["state"] in TERMINAL_RUN_STATES:
+                return run["state"]
+            if time.monotonic() > deadline:
+                raise AirflowError(
+                    f"run {run_id} of {dag_id} still {run['state']} after {timeout:.0f}s"
+                )
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AirflowError(f"airflow standalone died; log tail:\n{self.log_tail()}")
+            time.sleep(poll_s)
+
+
+def _q(text: str) -> str:
+    return urllib.parse.quote(text, safe="")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ------------------------------------------------------------------ progress
+
+
+def task_label(ti: Mapping[str, Any]) -> str:
+    label = ti["task_id"]
+    if ti.get("map_index", -1) is not None and ti.get("map_index", -1) >= 0:
+        label += f"[{ti.get('rendered_map_index') or ti['map_index']}]"
+    return label
+
+
+class ProgressPrinter:
+    """Prints task state changes (and the trainer's step) of a DAG run as they happen."""
+
+    def __init__(self, out=None, run_url: str | None = None, steps: int | None = None) -> None:
+        self.out = out or sys.stdout
+        self.states: dict[str, tuple[str | None, int]] = {}
+        self.run_url = run_url
+        self.steps = steps
+        self.last_step = -1
+        self.t0 = time.monotonic()
+
+    def _print(self, text: str) -> None:
+        print(f"  [{time.monotonic() - self.t0:5.0f}s] {text}", file=self.out, flush=True)
+
+    def __call__(self, run: Mapping[str, Any], tis: list[dict[str, Any]]) -> None:
+        for ti in sorted(tis, key=lambda t: (t.get("start_date") or "~", task_label(t))):
+            key = f"{ti['task_id']}/{ti.get('map_index', -1)}"
+            state = (ti.get("state"), int(ti.get("try_number") or 0))
+            if self.states.get(key) != state:
+                self.states[key] = state
+                tries = f" (try {state[1]})" if state[1] > 1 else ""
+                self._print(f"{task_label(ti):<24} {state[0] or 'waiting'}{tries}")
+        self._trainer_step()
+
+    def _trainer_step(self) -> None:
+        if not self.run_url:
+            return
+        try:
+            from pipeline.storage import open_store
+
+            keys = open_store(self.run_url).list("metrics/train/")
+        except Exception:  # noqa: BLE001 - progress is best effort; the run may not exist yet
+            return
+        if keys:
+            step = int(keys[-1].rsplit("/", 1)[-1].split(".")[0])
+            if step != self.last_step:
+                self.last_step = step
+                total = f"/{self.steps}" if self.steps else ""
+                self._print(f"trainer step {step}{total}")
+
+
+# ------------------------------------------------------------------ commands
+
+
+def serve(home: Path = DEFAULT_HOME, port: int = 8080, parallelism: int = 8) -> int:
+    """`make airflow`: run Airflow in the foreground until Ctrl-C, then stop it all."""
+    af = LocalAirflow(home=home, port=port or free_port(), parallelism=parallelism)
+    print(f"starting Airflow (AIRFLOW_HOME={Path(home).resolve()}); log: {af.log_path}")
+    try:
+        af.start()
+        print(
+            f"\nAirflow UI: {af.url}\nuser: {ADMIN}, password in {af.password_file}\n"
+            f"DAGs: {DAGS_FOLDER}\nCtrl-C stops it.",
+            flush=True,
+        )
+        while af.proc is not None and af.proc.poll() is None:
+            time.sleep(1.0)
+        print(f"airflow standalone exited; log tail:\n{af.log_tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        print("stopping Airflow ...", flush=True)
+        af.stop()
+
+
+def run_dag(
+    conf: Mapping[str, Any],
+    *,
+    dag_id: str = RL_DAG_ID,
+    home: Path = DEFAULT_HOME,
+    port: int = 0,
+    parallelism: int = 8,
+    timeout: float = 6 * 3600,
+    run_url: str | None = None,
+    steps: int | None = None,
+) -> tuple[str, str]:
+    """Start Airflow, trigger `dag_id` with `conf`, follow it, stop Airflow.
+
+    Returns (final state, dag run id)."""
+    af = LocalAirflow(home=home, port=port, parallelism=parallelism)
+    print(f"starting Airflow in the background (AIRFLOW_HOME={Path(home).resolve()}) ...")
+    t0 = time.monotonic()
+    try:
+        af.start()
+        print(f"Airflow up in {time.monotonic() - t0:.0f}s: {af.url} (log: {af.log_path})")
+        af.wait_for_dag(dag_id)
+        run_id = af.trigger(dag_id, conf)
+        print(f"triggered {dag_id} run {run_id} with conf {json.dumps(dict(conf))}")
+        state = af.wait_for_run(
+            dag_id, run_id, timeout, ProgressPrinter(run_url=run_url, steps=steps)
+        )
+        if state != "success":
+            for ti in af.task_instances(dag_id, run_id):
+                if ti.get("state") == "failed":
+                    log = af.task_log(dag_id, run_id, ti["task_id"], ti["try_number"])
+                    print(f"--- {task_label(ti)} (try {ti['try_number']}) log tail ---")
+                    print(log[-3000:])
+        return state, run_id
+    finally:
+        print("stopping Airflow ...", flush=True)
+        af.stop()
+
+
+def demo_via_airflow(
+    cfg: Any,
+    *,
+    config_path: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    run: str | None = None,
+    workers: int | None = None,
+    eval_every: int = 5,
+    home: Path = DEFAULT_HOME,
+    port: int = 0,
+) -> int:
+    """`rlax demo --airflow`: the demo run as a run of the rlax_rl_training DAG.
+
+    `cfg` is the already validated RunConfig (so a bad override fails before Airflow
+    starts); the DAG rebuilds the same config from the conf (config file + overrides)."""
+    root = _absolute(cfg.storage.root)
+    url = _absolute(run) if run else f"{root}/demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    conf: dict[str, Any] = {
+        "run_id": url,
+        "storage_root": root,
+        "config_file": str(Path(config_path).resolve()),
+        "eval_every": eval_every,
+        "overrides": list(overrides),
+    }
+    if workers:
+        conf["workers"] = workers
+    t0 = time.monotonic()
+    state, run_id = run_dag(
+        conf,
+        home=home,
+        port=port,
+        parallelism=max(8, cfg.workers + 2),  # trainer + every worker at once, + headroom
+        run_url=url,
+        steps=cfg.trainer.steps,
+    )
+    took = f"{time.monotonic() - t0:.0f}s"
+    if state != "success":
+        print(f"DAG run {run_id} {state} after {took}; task logs under {Path(home) / 'logs'}")
+        return 1
+    report = f"{url}/report/report.md"
+    if "://" not in report and Path(report).is_file():
+        print("\n" + Path(report).read_text())
+    print(f"\ndone in {took} (DAG run {run_id}); report: {report}")
+    return 0
+
+
+def _absolute(root: str) -> str:
+    """Local paths absolute (relative to the working directory, as for `rlax demo`)."""
+    return root.rstrip("/") if "://" in root else str(Path(root).expanduser().resolve())

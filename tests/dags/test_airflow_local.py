@@ -1,0 +1,67 @@
+"""pipeline/airflow_local.py and the CLI entry points, without starting Airflow."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.airflow_local import (
+    PASSWORDS_FILE,
+    ProgressPrinter,
+    airflow_env,
+    ensure_password,
+    task_label,
+)
+from pipeline.cli import build_parser
+from tests.dags.conftest import DAGS
+
+
+def test_env_binds_localhost_and_points_tasks_at_the_api_port(tmp_path):
+    env = airflow_env(tmp_path, 18123, parallelism=5)
+    assert env["AIRFLOW_HOME"] == str(tmp_path)
+    assert env["AIRFLOW__API__HOST"] == "127.0.0.1"
+    assert env["AIRFLOW__API__PORT"] == "18123"
+    assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://127.0.0.1:18123/execution/"
+    assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
+    assert env["AIRFLOW__CORE__PARALLELISM"] == "5"
+    assert env["AIRFLOW__CORE__DAGS_FOLDER"] == str(DAGS)
+    assert env["PATH"].split(":")[0].endswith("/bin")  # the venv's airflow for subprocesses
+    assert len(env["AIRFLOW__API_AUTH__JWT_SECRET"]) >= 64
+    assert env["AIRFLOW__API__SECRET_KEY"] != env["AIRFLOW__API_AUTH__JWT_SECRET"]
+    ports = {env["AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT"], "8793", "8794"}
+    assert len(ports | {env["AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT"]}) == 4
+    assert (
+        airflow_env(tmp_path, 1)["AIRFLOW__API_AUTH__JWT_SECRET"]
+        == (env["AIRFLOW__API_AUTH__JWT_SECRET"])
+    )
+
+
+def test_password_is_generated_once_and_kept(tmp_path):
+    pw = ensure_password(tmp_path)
+    assert len(pw) >= 12 and ensure_password(tmp_path) == pw
+    assert json.loads((tmp_path / PASSWORDS_FILE).read_text()) == {"admin": pw}
+    assert (tmp_path / PASSWORDS_FILE).stat().st_mode & 0o077 == 0
+
+
+def test_cli_has_the_airflow_entry_points():
+    args = build_parser().parse_args(["demo", "--airflow", "--workers", "2", "trainer.steps=3"])
+    assert args.airflow and args.workers == 2 and args.overrides == ["trainer.steps=3"]
+    assert not build_parser().parse_args(["demo"]).airflow
+    args = build_parser().parse_args(["airflow", "--port", "0"])
+    assert args.port == 0 and args.func.__name__ == "cmd_airflow"
+
+
+def test_progress_prints_state_changes_once(capsys):
+    printer = ProgressPrinter()
+    tis = [
+        {"task_id": "train", "map_index": -1, "state": "running", "try_number": 1},
+        {"task_id": "rollout_worker", "map_index": 0, "state": "running", "try_number": 1,
+         "rendered_map_index": "worker0"},
+    ]  # fmt: skip
+    printer({}, tis)
+    printer({}, tis)
+    tis[0] = {**tis[0], "state": "up_for_retry", "try_number": 2}
+    printer({}, tis)
+    out = capsys.readouterr().out
+    assert out.count("rollout_worker[worker0]") == 1
+    assert "train" in out and "up_for_retry (try 2)" in out
+    assert task_label({"task_id": "t", "map_index": 3}) == "t[3]"
