@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import mmap
+import os
 import random
 import re
 import time
@@ -32,7 +34,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from pipeline.storage import ObjectNotFound, ObjectStore, StorageError
+from pipeline.storage import LocalStore, ObjectNotFound, ObjectStore, StorageError
 
 __all__ = [
     "CorruptSnapshotError",
@@ -75,7 +77,8 @@ class SnapshotNotFoundError(ParamServerError, LookupError):
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A verified snapshot. Arrays are read-only views over the downloaded shard bytes."""
+    """A verified snapshot. Arrays are read-only views over the downloaded shard bytes (for a
+    local store, over read-only memory maps of the shard files)."""
 
     version: int
     tensors: dict[str, np.ndarray]
@@ -142,13 +145,20 @@ def _check_array(name: str, arr: Any) -> np.ndarray:
 def _plan_shards(tensors: dict[str, np.ndarray], shard_bytes: int) -> list[list[str]]:
     """Group tensor names (sorted, so layout is deterministic) into shards of ~shard_bytes.
 
-    A tensor is never split; one larger than ``shard_bytes`` gets a shard of its own.
+    A tensor is never split. One of at least ``shard_bytes // 16`` (4 MiB by default) gets a
+    shard of its own: its bytes are then written straight from the array, never copied into a
+    shard buffer, and nearly all of a model's bytes are in such tensors; the small ones (norms,
+    biases) share shards.
     """
+    solo = max(1, shard_bytes // 16)
     shards: list[list[str]] = []
     current: list[str] = []
     size = 0
     for name in sorted(tensors):
         nbytes = tensors[name].nbytes
+        if nbytes >= solo:
+            shards.append([name])
+            continue
         if current and size + nbytes > shard_bytes:
             shards.append(current)
             current, size = [], 0
@@ -274,12 +284,12 @@ class ParamServer:
         keys = [f"{_version_dir(version)}/shard-{i:05d}-{attempt}.bin" for i in range(len(plan))]
 
         def write_shard(i: int) -> dict[str, Any]:
-            data = b"".join(arrays[name].reshape(-1).view(np.uint8) for name in plan[i])
+            data = self._shard_payload([arrays[name] for name in plan[i]])
             if not self._w.write_new(keys[i], data):
                 raise StorageError(f"shard {self._w.url_of(keys[i])} already exists")
             return {"key": keys[i], "size": len(data), "crc32c": _crc32c(data)}
 
-        with ThreadPoolExecutor(max_workers=min(self.max_workers, len(plan))) as pool:
+        with ThreadPoolExecutor(max_workers=self._writers(len(plan))) as pool:
             shards = list(pool.map(write_shard, range(len(plan))))
 
         entries = []
@@ -319,6 +329,27 @@ class ParamServer:
         self._check_epoch(epoch)
         self._advance_latest(version, epoch)
         return True
+
+    def _writers(self, shards: int) -> int:
+        """Upload threads. Local writes are memory copies into the page cache: beyond about
+        two per CPU, threads only contend (measured in benchmarks/paramserver.py)."""
+        workers = min(self.max_workers, shards)
+        if isinstance(self._w, LocalStore):
+            cpus = (
+                len(os.sched_getaffinity(0))
+                if hasattr(os, "sched_getaffinity")
+                else (os.cpu_count() or 1)
+            )
+            workers = min(workers, 2 * cpus)
+        return max(1, workers)
+
+    def _shard_payload(self, arrays: list[np.ndarray]) -> Any:
+        """The bytes of one shard. A lone tensor going to a ``LocalStore`` is passed as a view
+        of the array itself (it writes any buffer); other stores get ``bytes``."""
+        if len(arrays) == 1:
+            flat = arrays[0].reshape(-1).view(np.uint8)  # a view: the array is C-contiguous
+            return flat if isinstance(self._w, LocalStore) else flat.tobytes()
+        return b"".join(arr.reshape(-1).view(np.uint8) for arr in arrays)
 
     def _write_manifest(self, version: int, manifest: dict[str, Any]) -> bool:
         """The commit point: create-only."""
@@ -400,10 +431,10 @@ class ParamServer:
                 f"manifest {self._w.url_of(_manifest_key(version))} lacks {exc}"
             ) from None
 
-        def fetch(spec: dict[str, Any]) -> bytes:
+        def fetch(spec: dict[str, Any]) -> Any:
             url = self._w.url_of(spec["key"])
             try:
-                data = self._w.read(spec["key"])
+                data = self._read_shard(spec["key"])
             except ObjectNotFound:
                 raise CorruptSnapshotError(f"snapshot v{version}: shard {url} is missing") from None
             actual = _crc32c(data)
@@ -430,9 +461,26 @@ class ParamServer:
             created=manifest.get("created", 0.0),
         )
 
-    def _tensor_view(
-        self, version: int, spec: dict[str, Any], shard_data: list[bytes]
-    ) -> np.ndarray:
+    def _read_shard(self, key: str) -> Any:
+        """A shard's bytes. From a ``LocalStore``: a read-only memory map of the object's file
+        (objects there are immutable files, replaced only by linking or renaming new ones, so
+        the map stays valid and unchanged, even after the object is deleted), which spares a
+        pull one copy and the page faults of fresh memory. From other stores: ``bytes``."""
+        if not isinstance(self._w, LocalStore):
+            return self._w.read(key)
+        try:
+            f = open(self._w.path_of(key), "rb")  # noqa: SIM115 - closed below, the map stays
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFound(self._w.url_of(key)) from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return b""  # an empty file cannot be mapped
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapped = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+        return np.frombuffer(mapped, dtype=np.uint8)
+
+    def _tensor_view(self, version: int, spec: dict[str, Any], shard_data: list[Any]) -> np.ndarray:
         try:
             dtype = _resolve_dtype(spec["dtype"])
             shape = tuple(int(d) for d in spec["shape"])

@@ -24,7 +24,21 @@ def checkpoint_dir(run: Run) -> str:
     url = run.store.url.rstrip("/")
     if url.startswith("file://"):
         url = url[len("file://") :]
+    elif url.startswith("gs://"):
+        _require_gcsfs(url)
     return f"{url}/checkpoints"
+
+
+def _require_gcsfs(url: str) -> None:
+    """Orbax does its gs:// directory I/O through etils.epath, whose backend is gcsfs
+    (arrays go through TensorStore's own GCS driver)."""
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        raise RuntimeError(
+            f"trainer checkpoints under {url}/checkpoints need gcsfs (Orbax's gs:// directory "
+            "backend); install it: pip install gcsfs"
+        ) from None
 
 
 class TrainerCheckpoints:
