@@ -19,7 +19,7 @@ def make_batch():
         sample_index=np.array([0, 1, 0, 1]),
         prompt_ids=[[1, 5], [1, 5], [1, 6, 7], [1, 6, 7]],
         completion_ids=[[9, 2], [8], [], [4, 4, 2]],
-        behaviour_logprobs=[[-0.5, -0.25], [-1.0], [], [-0.1, -0.2, -0.3]],
+        behaviour_logprobs=[[-0.5, -0.25], [-1.0], [], [-0.125, -0.375, -0.75]],  # exact in f32
         completion=["x", "y", "", "zz"],
         finished=np.array([1, 0, 0, 1], bool),
         reward=np.array([1, 0, 0, 1], np.float32),
