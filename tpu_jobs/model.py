@@ -1,8 +1,10 @@
-"""Decoder-only transformer of the Llama/Qwen2 family in Flax NNX.
+"""Decoder-only transformer of the Llama/Qwen2/Qwen3 family in Flax NNX.
 
-Architecture (Hugging Face `LlamaForCausalLM` / `Qwen2ForCausalLM`): token embedding,
-`num_layers` pre-norm blocks (RMSNorm -> grouped-query attention with RoPE -> residual,
-RMSNorm -> SwiGLU MLP -> residual), final RMSNorm, LM head (or the tied embedding).
+Architecture (Hugging Face `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM`):
+token embedding, `num_layers` pre-norm blocks (RMSNorm -> grouped-query attention with
+RoPE -> residual, RMSNorm -> SwiGLU MLP -> residual), final RMSNorm, LM head (or the tied
+embedding). `cfg.qk_norm` (Qwen3) adds an RMSNorm over head_dim on every query and key
+head, before RoPE.
 
 Parameter layout. Module attribute names mirror HF so an importer is a pure renaming plus
 transposition. The flat names used by `flat_params` / `load_flat_params` (and stored by the
@@ -13,6 +15,7 @@ parameter server) are the NNX attribute paths joined with dots:
     layers.{i}.self_attn.q_proj.kernel        [hidden, heads*hd]   HF ...q_proj.weight, transposed
     layers.{i}.self_attn.q_proj.bias          [heads*hd]           only when qkv_bias (Qwen2)
     layers.{i}.self_attn.{k,v}_proj.kernel    [hidden, kv*hd]      (+ .bias when qkv_bias)
+    layers.{i}.self_attn.{q,k}_norm.weight    [hd]                 only when qk_norm (Qwen3)
     layers.{i}.self_attn.o_proj.kernel        [heads*hd, hidden]
     layers.{i}.post_attention_layernorm.weight[hidden]
     layers.{i}.mlp.{gate,up}_proj.kernel      [hidden, inter]
@@ -64,24 +67,46 @@ class KVCache:
 
     k, v: [layers, batch, max_len, kv_heads, head_dim] (post-RoPE keys, like HF);
     mask: [batch, max_len] int32, 1 where the slot holds a real token.
+
+    Per-layer layout (`init_cache(..., per_layer=True)`, used by the sampler): k and v are
+    tuples with one array per layer, k[i]: [batch, kv_heads, head_dim, max_len] and
+    v[i]: [batch, kv_heads, max_len, head_dim], the layouts the attention matmuls read
+    directly. With the stacked layout XLA:CPU copies (transposes) every layer's keys and
+    values at every decode step, which was ~1/3 of the decode time of small models.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
     mask: jax.Array
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.mask.shape[1]
+
+    @property
+    def per_layer(self) -> bool:
+        return isinstance(self.k, tuple | list)
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> KVCache:
+def init_cache(
+    cfg: ModelConfig,
+    batch: int,
+    max_len: int,
+    dtype: str | None = None,
+    *,
+    per_layer: bool = False,
+) -> KVCache:
     """An empty cache; `dtype` defaults to the model's compute dtype."""
     dt = _dtype(dtype or cfg.dtype)
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(
-        k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), mask=jnp.zeros((batch, max_len), jnp.int32)
-    )
+    mask = jnp.zeros((batch, max_len), jnp.int32)
+    kv, hd = cfg.num_kv_heads, cfg.head_dim
+    if per_layer:
+        n = cfg.num_layers
+        k = tuple(jnp.zeros((batch, kv, hd, max_len), dt) for _ in range(n))
+        v = tuple(jnp.zeros((batch, kv, max_len, hd), dt) for _ in range(n))
+        return KVCache(k=k, v=v, mask=mask)
+    shape = (cfg.num_layers, batch, max_len, kv, hd)
+    return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), mask=mask)
 
 
 # --------------------------------------------------------------------------- pure math
@@ -156,6 +181,11 @@ class Attention(nnx.Module):
         self.k_proj = Linear(h, nkv * hd, bias=cfg.qkv_bias, std=INIT_STD, rngs=rngs)
         self.v_proj = Linear(h, nkv * hd, bias=cfg.qkv_bias, std=INIT_STD, rngs=rngs)
         self.o_proj = Linear(nh * hd, h, bias=False, std=out_std, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
 
     def __call__(
@@ -166,13 +196,19 @@ class Attention(nnx.Module):
         visible: jax.Array,
         cache_kv: tuple[jax.Array, jax.Array, int, jax.Array] | None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """visible: [B, T, S] bool. cache_kv: (k_all, v_all, layer, slot) or None."""
+        """visible: [B, T, S] bool. cache_kv: (k_all, v_all, layer, slot) or None; layer is
+        None for a per-layer cache (k_all, v_all: this layer's arrays, see KVCache)."""
         b, t, _ = x.shape
         nkv, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
-        q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, hd), cos, sin)
-        k = apply_rope(self.k_proj(x).reshape(b, t, nkv, hd), cos, sin)
+        q = self.q_proj(x).reshape(b, t, self.num_heads, hd)
+        k = self.k_proj(x).reshape(b, t, nkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).reshape(b, t, nkv, hd)
         new_cache = None
+        if cache_kv is not None and cache_kv[2] is None:
+            return self._attend_per_layer(q, k, v, visible, *cache_kv[:2], cache_kv[3])
         if cache_kv is not None:
             k_all, v_all, layer, slot = cache_kv
             start = (layer, 0, slot, 0, 0)
@@ -187,6 +223,28 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, self.num_heads * hd)
         return self.o_proj(out), new_cache
+
+    def _attend_per_layer(self, q, k, v, visible, k_cache, v_cache, slot):
+        """Attention over a per-layer cache: k_cache [B, kv, hd, S], v_cache [B, kv, S, hd]."""
+        b, t, _, hd = q.shape
+        nkv, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        zero = jnp.int32(0)
+        kt = k.transpose(0, 2, 3, 1).astype(k_cache.dtype)  # [B, kv, hd, T]
+        k_cache = jax.lax.dynamic_update_slice(k_cache, kt, (zero, zero, zero, slot))
+        vt = v.transpose(0, 2, 1, 3).astype(v_cache.dtype)  # [B, kv, T, hd]
+        v_cache = jax.lax.dynamic_update_slice(v_cache, vt, (zero, zero, slot, zero))
+        # Plain batched matmuls over (B, kv) with rows (g, T): XLA:CPU runs them as library
+        # matmuls on the cache buffers in place.
+        q = q.reshape(b, t, nkv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)
+        scores = jnp.einsum(
+            "bkmd,bkds->bkms", q, k_cache.astype(q.dtype), preferred_element_type=jnp.float32
+        )
+        scores = scores.reshape(b, nkv, g, t, -1) / math.sqrt(hd)
+        scores = jnp.where(visible[:, None, None], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, nkv, g * t, -1)
+        out = jnp.einsum("bkms,bksd->bkmd", probs, v_cache.astype(q.dtype))
+        out = out.reshape(b, nkv, g, t, hd).transpose(0, 3, 1, 2, 4)  # [B, T, kv, g, hd]
+        return self.o_proj(out.reshape(b, t, self.num_heads * hd)), (k_cache, v_cache)
 
 
 class MLP(nnx.Module):
@@ -216,7 +274,7 @@ class DecoderLayer(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Llama/Qwen2-style causal LM. See the module docstring for parameter names."""
+    """Llama/Qwen2/Qwen3-style causal LM. See the module docstring for parameter names."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -266,16 +324,27 @@ class Transformer(nnx.Module):
         k_all = v_all = None
         if cache is not None:
             k_all, v_all = cache.k, cache.v
+            if cache.per_layer:
+                k_all, v_all = list(k_all), list(v_all)
         for i, layer in enumerate(self.layers):
-            cache_kv = None if cache is None else (k_all, v_all, i, slot)
+            if cache is None:
+                cache_kv = None
+            elif cache.per_layer:
+                cache_kv = (k_all[i], v_all[i], None, slot)
+            else:
+                cache_kv = (k_all, v_all, i, slot)
             x, new_kv = layer(x, cos, sin, visible, cache_kv)
-            if new_kv is not None:
+            if new_kv is not None and cache.per_layer:
+                k_all[i], v_all[i] = new_kv
+            elif new_kv is not None:
                 k_all, v_all = new_kv
         x = self.norm(x)
         if self.lm_head is None:
             logits = x @ self.embed_tokens.embedding[...].astype(cdt).T
         else:
             logits = self.lm_head(x)
+        if cache is not None and cache.per_layer:
+            k_all, v_all = tuple(k_all), tuple(v_all)
         new_cache = None if cache is None else KVCache(k=k_all, v=v_all, mask=key_mask)
         return logits.astype(jnp.float32), new_cache
 
@@ -293,6 +362,7 @@ def param_count(cfg: ModelConfig) -> int:
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if cfg.qkv_bias else 0)
+    attn += 2 * cfg.head_dim if cfg.qk_norm else 0
     layer = attn + 3 * h * i + 2 * h
     return v * h + cfg.num_layers * layer + h + (0 if cfg.tie_embeddings else h * v)
 

@@ -8,7 +8,16 @@ traced (changing them never recompiles; only switching top-k / top-p on or off d
 
 Randomness: the token of row r at step s is drawn with `fold_in(keys[r], s)`, so a row's
 output depends only on its own key and prompt, never on its position in the batch or on
-the other rows (up to float rounding differences between shape buckets).
+the other rows (up to float rounding differences between shape buckets). When small
+(`NOISE_BUDGET`), the Gumbel noise of all steps is drawn before the decode loop in one
+vectorised call: the same values as per-step `jax.random.categorical` draws, without a
+per-step threefry loop.
+
+Speed (XLA:CPU, see benchmarks/results/sampler_vs_hf.md): the cache donated to the jitted
+program is updated in place, and it uses the model's per-layer KV cache layout
+(`init_cache(per_layer=True)`), which the attention matmuls read without the per-step
+transposes of the stacked layout. Together with the up-front noise this halved the time of
+the `demo` preset; larger models are bound by the float32 matmuls of the decode steps.
 
 Log-probs are those of the emitted tokens under softmax(logits / temperature) (raw logits
 when temperature == 0), before top-k / top-p filtering. Top-p is applied to the
@@ -28,11 +37,16 @@ import numpy as np
 from flax import nnx
 
 from pipeline.config import ModelConfig
+from tpu_jobs import mesh as meshlib
 from tpu_jobs.model import DTYPES, KVCache, Transformer, init_cache, positions_from_mask
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
 DEFAULT_NEW_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
+# Up to this many Gumbel noise values (batch x new tokens x vocab) are drawn before the
+# decode loop in one go (64 MiB of float32); beyond it, each step draws its own. The values
+# are the same either way.
+NOISE_BUDGET = 1 << 24
 
 
 @dataclass
@@ -91,16 +105,32 @@ def sample_step(
     *,
     use_top_k: bool,
     use_top_p: bool,
+    noise: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """(token [B] int32, log-prob [B] float32) from next-token logits [B, V] float32."""
+    """(token [B] int32, log-prob [B] float32) from next-token logits [B, V] float32.
+
+    `noise`: this step's Gumbel noise [B, V] as made by `step_noise` (else drawn here);
+    either way row r samples argmax(filtered + gumbel(fold_in(keys[r], step))), which is
+    exactly `jax.random.categorical(fold_in(keys[r], step), filtered)`."""
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)
     logp = jax.nn.log_softmax(scaled, axis=-1)
     filtered = filter_logits(scaled, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
-    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
-    sampled = jax.vmap(jax.random.categorical)(step_keys, filtered)
+    if noise is None:
+        noise = step_noise(keys, jnp.asarray(step, jnp.int32)[None], logits.shape[-1])[:, 0]
+    sampled = jnp.argmax(filtered + noise, axis=-1)
     token = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def step_noise(keys: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
+    """Gumbel noise [B, len(steps), vocab] of `jax.random.categorical` for each row key and
+    step (float32): gumbel(fold_in(keys[r], steps[j]), (vocab,))."""
+
+    def row(key):
+        return jax.vmap(lambda s: jax.random.gumbel(jax.random.fold_in(key, s), (vocab,)))(steps)
+
+    return jax.vmap(row)(keys)
 
 
 def _generate(
@@ -140,7 +170,21 @@ def _generate(
     # The cache buffer is reused between calls: stale keys are hidden by a fresh mask.
     cache = KVCache(k=cache.k, v=cache.v, mask=jnp.zeros_like(cache.mask))
     logits, cache = model(tokens, positions_from_mask(mask), mask, cache, 0, dtype=dtype)
-    token, logp = sample(logits[:, -1], keys, jnp.int32(0))
+    vocab = logits.shape[-1]
+    noise_all = None
+    if b * n_new * vocab <= NOISE_BUDGET:
+        # All steps' Gumbel noise in one vectorised draw: per step, a threefry loop over
+        # [B, V] costs more than the matmuls of a small model.
+        noise_all = step_noise(keys, jnp.arange(n_new, dtype=jnp.int32), vocab)
+        # Materialise it here: otherwise XLA fuses the draw into the in-loop reads.
+        noise_all = jax.lax.optimization_barrier(noise_all)
+
+    def noise_at(step):
+        if noise_all is None:
+            return None
+        return jax.lax.dynamic_index_in_dim(noise_all, step, axis=1, keepdims=False)
+
+    token, logp = sample(logits[:, -1], keys, jnp.int32(0), noise=noise_at(jnp.int32(0)))
     out_tok = jnp.full((b, n_new), pad_id, jnp.int32).at[:, 0].set(token)
     out_lp = jnp.zeros((b, n_new), jnp.float32).at[:, 0].set(logp)
     done = token == eos_id
@@ -156,7 +200,7 @@ def _generate(
         step, cache, token, pos, out_tok, out_lp, done, lengths = carry
         # Feed the previous token (slot p + step - 1), then sample this step's token.
         logits, cache = model(token[:, None], pos[:, None], ones, cache, p + step - 1, dtype=dtype)
-        new, logp = sample(logits[:, 0], keys, step)
+        new, logp = sample(logits[:, 0], keys, step, noise=noise_at(step))
         new = jnp.where(done, pad_id, new)
         logp = jnp.where(done, 0.0, logp)
         out_tok = jax.lax.dynamic_update_slice(out_tok, new[:, None], (0, step))
@@ -195,6 +239,9 @@ class Sampler:
     Weights are passed as state (not baked in as constants), so swapping weights never
     recompiles. `generate(model, ...)` splits the model on each call (~0.1 ms); callers
     that reuse one weight version may call `set_weights(model)` once and pass model=None.
+
+    `mesh` (see tpu_jobs.mesh): weights are placed by `PARAM_RULES`, prompts and the KV
+    cache split over data x fsdp (batch buckets rounded up to a multiple of that size).
     """
 
     def __init__(
@@ -206,6 +253,7 @@ class Sampler:
         batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
         prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
         new_token_buckets: Sequence[int] = DEFAULT_NEW_TOKEN_BUCKETS,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         for name, buckets in (
             ("batch_buckets", batch_buckets),
@@ -222,6 +270,7 @@ class Sampler:
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self._caches: dict[tuple, KVCache] = {}  # donated in, returned out, reused
         self._weights: tuple[nnx.GraphDef, nnx.State] | None = None
+        self.mesh = mesh
 
     @property
     def compile_count(self) -> int:
@@ -267,6 +316,9 @@ class Sampler:
         typed_keys = _as_keys(keys, n)
 
         bb = bucket(n, self.batch_buckets)
+        if self.mesh is not None:
+            multiple = meshlib.batch_size_multiple(self.mesh)
+            bb = -(-bb // multiple) * multiple
         pb = bucket(max(len(p) for p in prompts), self.prompt_buckets)
         nb = bucket(max_new_tokens, self.new_token_buckets)
         tokens = np.full((bb, pb), self.pad_id, np.int32)
@@ -282,11 +334,16 @@ class Sampler:
         cache_key = (bb, pb + nb, dtype)
         cache = self._caches.pop(cache_key, None)
         if cache is None:
-            cache = init_cache(self.cfg, bb, pb + nb, dtype)
+            cache = init_cache(self.cfg, bb, pb + nb, dtype, per_layer=True)
+        tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+        if self.mesh is not None:  # no-ops for arrays already placed so
+            state = meshlib.shard_tree(state, self.mesh)
+            tokens, mask, typed_keys = meshlib.shard_batch((tokens, mask, typed_keys), self.mesh)
+            cache = jax.device_put(cache, meshlib.cache_sharding(self.mesh, cache))
         args = (
             state,
-            jnp.asarray(tokens),
-            jnp.asarray(mask),
+            tokens,
+            mask,
             typed_keys,
             cache,
             jnp.int32(max_new_tokens),
@@ -311,7 +368,8 @@ class Sampler:
             self._compiled[key] = compiled
         out_tok, out_lp, lengths, done, cache = compiled(*args)
         self._caches[cache_key] = cache
-        out_tok, out_lp, lengths, done = jax.device_get((out_tok, out_lp, lengths, done))
+        to_host = jax.device_get if self.mesh is None else meshlib.to_host
+        out_tok, out_lp, lengths, done = to_host((out_tok, out_lp, lengths, done))
         return SampleResult(
             tokens=np.asarray(out_tok[:n, :max_new_tokens], np.int32),
             logprobs=np.asarray(out_lp[:n, :max_new_tokens], np.float32),

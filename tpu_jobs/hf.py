@@ -1,0 +1,898 @@
+"""Hugging Face checkpoints in and out: Llama, Qwen2 and Qwen3 causal LMs.
+
+A checkpoint directory holds `config.json`, the weights (`model.safetensors`, or shards
+listed by `model.safetensors.index.json`) and usually `tokenizer.json` +
+`tokenizer_config.json` (with a chat template for chat models). Import maps them onto
+`tpu_jobs.model.Transformer` (see its docstring for the flat parameter names: HF names minus
+`model.`, `weight` -> `kernel` with a transpose for linear layers); export writes a
+directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+    python -m tpu_jobs.hf import PATH --run RUN [--config FILE] [key=value ...]
+    python -m tpu_jobs.hf export --run RUN --version V|latest --out DIR [--base] [--dtype D]
+    python -m tpu_jobs.hf config PATH      # the model.* overrides matching a checkpoint
+
+`import` publishes the weights as version 0 of the run's `base/` parameter server (where the
+trainer starts from, like the SFT bootstrap) and copies config/tokenizer files to
+`base/hf/`. A run that does not exist yet is created (config file + overrides, with the
+model section taken from the checkpoint) together with its data, like `rlax init`; an
+existing run must have the checkpoint's architecture. `export` writes version V of the
+run's trained weights (or of its base with `--base`) with the original config's extra
+fields (token ids, max positions) and tokenizer files when the base came from an import.
+
+Nothing here downloads: PATH is a local directory (e.g. a `huggingface-cli download` dir).
+Safetensors are read and written here (header JSON + raw little-endian bytes) so bfloat16
+checkpoints need neither torch nor network; weights are loaded as float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from pipeline.config import ModelConfig
+from pipeline.tokenizer import REPLACEMENT, TokenizerBase
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+HF_PREFIX = "hf"  # under the run's base/ store: copies of config.json and tokenizer files
+
+
+class HFError(ValueError):
+    """A checkpoint is unsupported, incomplete or does not match the model/run."""
+
+
+# --------------------------------------------------------------------------- families
+
+
+@dataclass(frozen=True)
+class Family:
+    """What distinguishes a supported HF architecture from the plain Llama layout.
+
+    qkv_bias: True/False fixed by the architecture, None = given by `attention_bias`.
+    attention_bias_on_o: `attention_bias` also adds an o_proj bias (Llama, Qwen3); this
+    model has none, so such a checkpoint imports only if that bias is all zeros.
+    """
+
+    architecture: str
+    model_type: str
+    qkv_bias: bool | None
+    qk_norm: bool
+    attention_bias_on_o: bool
+    has_head_dim: bool  # config.json carries head_dim
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family("LlamaForCausalLM", "llama", None, False, True, True),
+    "Qwen2ForCausalLM": Family("Qwen2ForCausalLM", "qwen2", True, False, False, False),
+    "Qwen3ForCausalLM": Family("Qwen3ForCausalLM", "qwen3", None, True, True, True),
+}
+SUPPORTED_ROPE_TYPES = ("default",)
+SUPPORTED_ACTIVATIONS = ("silu",)
+# ModelConfig fields that define the architecture (and hence the parameter shapes/values).
+ARCH_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "rope_theta",
+    "rms_norm_eps",
+    "qkv_bias",
+    "qk_norm",
+    "tie_embeddings",
+)
+
+
+def _supported() -> str:
+    return ", ".join(FAMILIES)
+
+
+def family_of(hf: Mapping[str, Any]) -> Family:
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in FAMILIES:
+            return FAMILIES[arch]
+    by_type = {f.model_type: f for f in FAMILIES.values()}
+    if not archs and hf.get("model_type") in by_type:
+        return by_type[hf["model_type"]]
+    raise HFError(
+        f"architecture {archs or hf.get('model_type')!r} is not supported; "
+        f"supported: {_supported()}"
+    )
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> float:
+    """rope_theta from `rope_parameters` (transformers 5) or `rope_scaling`/`rope_theta`."""
+    # transformers gives a legacy `rope_scaling` precedence over `rope_parameters`.
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise HFError(f"rope_parameters={params!r} is invalid; expected a mapping")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise HFError(
+            f"rope type {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)} (plain RoPE without scaling)"
+        )
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise HFError("partial_rotary_factor != 1 is not supported; supported: 1.0 (full RoPE)")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+    """The ModelConfig of an HF `config.json` (a dict). `overrides` set non-architecture
+    fields (dtype, max_seq_len, preset). Raises HFError on anything unsupported."""
+    fam = family_of(hf)
+    act = hf.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise HFError(f"hidden_act={act!r} is not supported; supported: silu (SwiGLU)")
+    if hf.get("mlp_bias", False):
+        raise HFError("mlp_bias=true is not supported; supported: MLPs without bias")
+    if hf.get("use_sliding_window", False):
+        raise HFError("use_sliding_window=true is not supported; supported: full attention")
+    nh = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    head_dim = hf.get("head_dim") if fam.has_head_dim else None
+    attention_bias = bool(hf.get("attention_bias", False))
+    kw = dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=nh,
+        num_kv_heads=int(hf.get("num_key_value_heads") or nh),
+        head_dim=int(head_dim or hidden // nh),
+        intermediate_size=int(hf["intermediate_size"]),
+        rope_theta=_rope_theta(hf),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qkv_bias=fam.qkv_bias if fam.qkv_bias is not None else attention_bias,
+        qk_norm=fam.qk_norm,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=int(hf.get("max_position_embeddings", 256)),
+    )
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def default_family(cfg: ModelConfig) -> Family:
+    """The HF architecture that represents `cfg` exactly."""
+    if cfg.qk_norm:
+        return FAMILIES["Qwen3ForCausalLM"]
+    if cfg.qkv_bias:
+        return FAMILIES["Qwen2ForCausalLM"]
+    return FAMILIES["LlamaForCausalLM"]
+
+
+def _check_family(cfg: ModelConfig, fam: Family) -> None:
+    problems = []
+    if fam.qk_norm != cfg.qk_norm:
+        problems.append(f"qk_norm={cfg.qk_norm} but {fam.architecture} has qk_norm={fam.qk_norm}")
+    if fam.qkv_bias is not None and fam.qkv_bias != cfg.qkv_bias:
+        problems.append(f"qkv_bias={cfg.qkv_bias} but {fam.architecture} needs {fam.qkv_bias}")
+    if not fam.has_head_dim and cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+        problems.append(f"{fam.architecture} needs head_dim == hidden_size // num_heads")
+    if problems:
+        raise HFError("cannot export as " + fam.architecture + ": " + "; ".join(problems))
+
+
+def hf_config_from_model(
+    cfg: ModelConfig,
+    family: str | None = None,
+    base: Mapping[str, Any] | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """config.json for `cfg`. `base` (e.g. the imported checkpoint's config) supplies the
+    non-architecture fields (token ids, max_position_embeddings); architecture fields
+    always come from `cfg`."""
+    if family and family not in FAMILIES:
+        raise HFError(f"family {family!r} is not supported; supported: {_supported()}")
+    fam = FAMILIES[family] if family else default_family(cfg)
+    _check_family(cfg, fam)
+    out: dict[str, Any] = dict(base or {})
+    for key in ("rope_scaling", "torch_dtype", "auto_map", "quantization_config"):
+        out.pop(key, None)
+    out.setdefault("bos_token_id", 1)
+    out.setdefault("eos_token_id", 2)
+    out.setdefault("pad_token_id", 0)
+    out.update(
+        architectures=[fam.architecture],
+        model_type=fam.model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        hidden_act="silu",
+        max_position_embeddings=int(out.get("max_position_embeddings", cfg.max_seq_len)),
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,  # read by transformers < 5
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_embeddings,
+        dtype=dtype,
+        use_cache=True,
+    )
+    if fam.has_head_dim:
+        out["head_dim"] = cfg.head_dim
+    if fam.qkv_bias is None:  # attention_bias also adds an o_proj bias, exported as zeros
+        out["attention_bias"] = cfg.qkv_bias
+    if fam.model_type == "llama":
+        out["mlp_bias"] = False
+    if fam.model_type in ("qwen2", "qwen3"):
+        out["use_sliding_window"] = False
+    return out
+
+
+# --------------------------------------------------------------------------- safetensors
+
+_ST_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """{name: read-only array} of one .safetensors file (memory-mapped, any dtype above)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise HFError(
+                f"{path}: tensor {name!r} has dtype {info['dtype']}; supported: "
+                + ", ".join(_ST_DTYPES)
+            )
+        start, end = info["data_offsets"]
+        dt = _ST_DTYPES[info["dtype"]].newbyteorder("<")
+        out[name] = data[start:end].view(dt).reshape(info["shape"])
+    return out
+
+
+def write_safetensors(
+    path: str | Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+) -> None:
+    """Write `tensors` (sorted by name) as one .safetensors file."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        if arr.dtype not in _ST_NAMES:
+            raise HFError(f"tensor {name!r} has dtype {arr.dtype}; supported: {list(_ST_NAMES)}")
+        arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+        header[name] = {
+            "dtype": _ST_NAMES[arr.dtype.newbyteorder("=")],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
+        offset += arr.nbytes
+        arrays.append(arr)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for arr in arrays:
+            f.write(arr.reshape(-1).view(np.uint8).tobytes())
+
+
+def load_hf_tensors(directory: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint: `model.safetensors` or the shards of its index."""
+    d = Path(directory)
+    if (d / INDEX_FILE).is_file():
+        index = json.loads((d / INDEX_FILE).read_text())
+        weight_map: dict[str, str] = index["weight_map"]
+        out: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (d / shard).is_file():
+                raise HFError(f"{d / INDEX_FILE} lists shard {shard!r}, which is missing")
+            tensors = read_safetensors(d / shard)
+            out.update({k: v for k, v in tensors.items() if weight_map.get(k) == shard})
+        missing = sorted(set(weight_map) - set(out))
+        if missing:
+            raise HFError(f"{d / INDEX_FILE}: tensors missing from their shards: {missing[:8]}")
+        return out
+    if (d / WEIGHTS_FILE).is_file():
+        return read_safetensors(d / WEIGHTS_FILE)
+    found = sorted(p.name for p in d.glob("*")) if d.is_dir() else []
+    raise HFError(
+        f"no weights in {d}: expected {WEIGHTS_FILE} or {INDEX_FILE} (safetensors only; "
+        f"convert .bin/.pth checkpoints first); found {found[:12]}"
+    )
+
+
+# --------------------------------------------------------------------------- name mapping
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{flat name: shape} of the model's parameters, without allocating them."""
+    from flax import nnx
+
+    from tpu_jobs.model import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
+    return {
+        ".".join(str(p) for p in path): tuple(var.get_value().shape)
+        for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))
+    }
+
+
+def hf_name(flat_name: str) -> str:
+    """HF tensor name of a flat parameter name (module docstring of tpu_jobs.model)."""
+    if flat_name == "lm_head.kernel":
+        return "lm_head.weight"
+    if flat_name == "embed_tokens.embedding":
+        return "model.embed_tokens.weight"
+    if flat_name.endswith(".kernel"):
+        flat_name = flat_name[: -len(".kernel")] + ".weight"
+    return "model." + flat_name
+
+
+def _o_bias_names(cfg: ModelConfig) -> list[str]:
+    return [f"model.layers.{i}.self_attn.o_proj.bias" for i in range(cfg.num_layers)]
+
+
+def hf_to_flat(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """HF tensors -> {flat name: float32 array} for a model of `cfg` (kernels transposed).
+
+    Ignored: `lm_head.weight` when embeddings are tied, rotary `inv_freq` buffers and
+    all-zero o_proj biases. Anything else unexpected, missing or mis-shaped raises HFError.
+    """
+    shapes = param_shapes(cfg)
+    out: dict[str, np.ndarray] = {}
+    missing, misshaped = [], []
+    for flat, shape in shapes.items():
+        name = hf_name(flat)
+        if name not in tensors:
+            missing.append(name)
+            continue
+        arr = np.asarray(tensors[name], dtype=np.float32)
+        if flat.endswith(".kernel"):
+            arr = arr.T
+        if arr.shape != shape:
+            misshaped.append(f"{name}: {tuple(tensors[name].shape)}")
+            continue
+        out[flat] = np.ascontiguousarray(arr)
+    used = {hf_name(f) for f in shapes}
+    ignorable = {n for n in tensors if n.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_embeddings:
+        ignorable.add("lm_head.weight")
+    for name in _o_bias_names(cfg):
+        if name in tensors:
+            if np.any(np.asarray(tensors[name], np.float32) != 0):
+                raise HFError(
+                    f"{name} is non-zero: o_proj biases (attention_bias=true on Llama/Qwen3) "
+                    "are not supported; supported: q/k/v biases only"
+                )
+            ignorable.add(name)
+    unexpected = sorted(set(tensors) - used - ignorable)
+    if missing or unexpected or misshaped:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:8]}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:8]}")
+        if misshaped:
+            parts.append(f"mis-shaped {misshaped[:8]}")
+        raise HFError(
+            "checkpoint tensors do not match the model config: "
+            + "; ".join(parts)
+            + f" ({len(missing)} missing, {len(unexpected)} unexpected, {len(misshaped)} "
+            "mis-shaped)"
+        )
+    return out
+
+
+def flat_to_hf(
+    flat: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    family: str | None = None,
+    dtype: str = "float32",
+) -> dict[str, np.ndarray]:
+    """{flat name: array} -> HF tensors (weights [out, in]) in `dtype`."""
+    fam = FAMILIES[family] if family else default_family(cfg)
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    out = {}
+    for name, arr in flat.items():
+        arr = np.asarray(arr, np.float32)
+        out[hf_name(name)] = np.ascontiguousarray(arr.T if name.endswith(".kernel") else arr)
+    if fam.qkv_bias is None and cfg.qkv_bias:  # attention_bias=true also creates o_proj.bias
+        for name in _o_bias_names(cfg):
+            out[name] = np.zeros((cfg.hidden_size,), np.float32)
+    return {k: v.astype(np_dtype) for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------- load / export
+
+
+def read_hf_config(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise HFError(f"{path} not found: a Hugging Face checkpoint directory needs config.json")
+    return json.loads(path.read_text())
+
+
+def load_hf_checkpoint(
+    directory: str | Path, **overrides: Any
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """(ModelConfig, flat float32 params) of a local checkpoint directory."""
+    cfg = model_config_from_hf(read_hf_config(directory), **overrides)
+    return cfg, hf_to_flat(load_hf_tensors(directory), cfg)
+
+
+def load_hf_model(directory: str | Path, **overrides: Any):
+    """(Transformer with the checkpoint's weights, its ModelConfig)."""
+    from tpu_jobs.model import init_model, load_flat_params
+
+    cfg, flat = load_hf_checkpoint(directory, **overrides)
+    model = init_model(cfg, 0)
+    load_flat_params(model, flat)
+    return model, cfg
+
+
+def export_hf(
+    out_dir: str | Path,
+    cfg: ModelConfig,
+    flat: Mapping[str, np.ndarray],
+    *,
+    family: str | None = None,
+    base_config: Mapping[str, Any] | None = None,
+    dtype: str = "float32",
+    max_shard_bytes: int | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
+) -> Path:
+    """Write config.json + model.safetensors (sharded with an index when the weights
+    exceed `max_shard_bytes`) + `extra_files` (e.g. tokenizer files) into `out_dir`."""
+    if dtype not in ("float32", "bfloat16"):
+        raise HFError(f"dtype={dtype!r} is invalid; allowed: 'float32', 'bfloat16'")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_cfg = hf_config_from_model(cfg, family, base_config, dtype)
+    tensors = flat_to_hf(flat, cfg, family, dtype)
+    for stale in [out / WEIGHTS_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    total = sum(a.nbytes for a in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        write_safetensors(out / WEIGHTS_FILE, tensors)
+    else:
+        shards: list[list[str]] = [[]]
+        size = 0
+        for name in sorted(tensors):
+            if shards[-1] and size + tensors[name].nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(name)
+            size += tensors[name].nbytes
+        weight_map = {}
+        for i, names in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(out / fname, {n: tensors[n] for n in names})
+            weight_map.update(dict.fromkeys(names, fname))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+    (out / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True))
+    for name, data in (extra_files or {}).items():
+        (out / name).write_bytes(data)
+    return out
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def _token_content(tok: Any) -> str | None:
+    if isinstance(tok, Mapping):  # a serialised AddedToken
+        return tok.get("content")
+    return tok
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+class HFTokenizer(TokenizerBase):
+    """A `tokenizers.Tokenizer` (tokenizer.json) behind the project's Tokenizer protocol.
+
+    Special ids come from tokenizer_config.json (bos/eos/pad tokens), else from the model's
+    config.json token ids. Without a pad token the EOS id pads; without a BOS token
+    `bos_id` is the config's bos_token_id (or EOS) but prompts get no BOS. `encode_prompt`
+    renders the chat template (a single user turn plus the generation prompt) when the
+    checkpoint has one and `use_chat_template` is true, else prepends BOS when the
+    tokenizer adds one itself (tokenizer.json post-processor or `add_bos_token`).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        eos_token: str | None = None,
+        bos_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+        model_config: Mapping[str, Any] | None = None,
+        add_bos: bool | None = None,
+        use_chat_template: bool = True,
+    ):
+        self.tokenizer = tokenizer
+        mc = dict(model_config or {})
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+
+        def tid(token: str | None, fallback: Any) -> int | None:
+            if token is not None:
+                i = tokenizer.token_to_id(token)
+                if i is None:
+                    raise HFError(f"special token {token!r} is not in the tokenizer's vocabulary")
+                return int(i)
+            return _first_id(fallback)
+
+        eos = tid(eos_token, mc.get("eos_token_id"))
+        if eos is None:
+            raise HFError("no EOS token: tokenizer_config.json and config.json define none")
+        self.eos_id: int = eos
+        bos = tid(bos_token, mc.get("bos_token_id"))
+        self.has_bos = bos is not None
+        self.bos_id: int = eos if bos is None else bos
+        pad = tid(pad_token, mc.get("pad_token_id"))
+        self.pad_id: int = eos if pad is None else pad
+        # Like transformers: BOS when tokenizer.json's post-processor adds one, or when
+        # tokenizer_config.json says add_bos_token=true.
+        probe = tokenizer.encode("a", add_special_tokens=True).ids
+        adds_bos = bool(probe) and bos is not None and probe[0] == bos
+        self.add_bos = (adds_bos or bool(add_bos)) and bos is not None
+        self.chat_template = chat_template
+        self.use_chat_template = use_chat_template
+        self._skip = {self.pad_id, self.bos_id, self.eos_id}
+
+    @classmethod
+    def from_dir(cls, directory: str | Path, **kwargs: Any) -> HFTokenizer:
+        from tokenizers import Tokenizer
+
+        d = Path(directory)
+        if not (d / "tokenizer.json").is_file():
+            raise HFError(f"{d / 'tokenizer.json'} not found (only fast tokenizers are supported)")
+        tcfg: dict[str, Any] = {}
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # later wins
+            if (d / name).is_file():
+                tcfg.update(json.loads((d / name).read_text()))
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        if (d / "chat_template.jinja").is_file():
+            template = (d / "chat_template.jinja").read_text()
+        model_config = (
+            json.loads((d / CONFIG_FILE).read_text()) if (d / CONFIG_FILE).is_file() else {}
+        )
+        add_bos = tcfg.get("add_bos_token")
+        kw = dict(
+            eos_token=_token_content(tcfg.get("eos_token")),
+            bos_token=_token_content(tcfg.get("bos_token")),
+            pad_token=_token_content(tcfg.get("pad_token")),
+            chat_template=template,
+            model_config=model_config,
+            add_bos=None if add_bos is None else bool(add_bos),
+        )
+        kw.update(kwargs)
+        return cls(Tokenizer.from_file(str(d / "tokenizer.json")), **kw)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Skips PAD/BOS/EOS; ids outside the vocabulary become U+FFFD."""
+        vocab = self.vocab_size
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            i = int(i)
+            if i in self._skip:
+                continue
+            if 0 <= i < vocab:
+                run.append(i)
+                continue
+            parts.append(self.tokenizer.decode(run, skip_special_tokens=False))
+            parts.append(REPLACEMENT)
+            run = []
+        parts.append(self.tokenizer.decode(run, skip_special_tokens=False))
+        return "".join(parts)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The chat template rendered like transformers' `apply_chat_template(tokenize=False)`."""
+        if not self.chat_template:
+            raise HFError("this tokenizer has no chat template (tokenizer_config.json)")
+        return _render_template(
+            self.chat_template,
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            pad_token=self.pad_token or "",
+        )
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if self.chat_template and self.use_chat_template:
+            return self.encode(self.apply_chat_template([{"role": "user", "content": text}]))
+        return ([self.bos_id] if self.add_bos else []) + self.encode(text)
+
+
+def _render_template(template: str, **context: Any) -> str:
+    """Jinja rendering with the environment transformers uses for chat templates."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise HFError(f"chat template error: {message}")
+
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: Any = None, separators=None, sort_keys=False
+    ):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        import datetime
+
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template).render(**context)
+
+
+def load_tokenizer(directory: str | Path, **kwargs: Any) -> HFTokenizer:
+    return HFTokenizer.from_dir(directory, **kwargs)
+
+
+def load_run_tokenizer(run: Any, **kwargs: Any) -> HFTokenizer | None:
+    """The tokenizer imported with the run's base model (`base/hf/`), or None if the base
+    did not come from an HF checkpoint with a tokenizer.json."""
+    import tempfile
+
+    from pipeline.storage import ObjectNotFound
+    from tpu_jobs.sft import base_server
+
+    store = base_server(run).store.child(HF_PREFIX)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in (CONFIG_FILE, *TOKENIZER_FILES):
+            try:
+                (Path(tmp) / name).write_bytes(store.read(name))
+            except ObjectNotFound:
+                continue
+        if not (Path(tmp) / "tokenizer.json").is_file():
+            return None
+        return HFTokenizer.from_dir(tmp, **kwargs)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def _arch_diff(a: ModelConfig, b: ModelConfig) -> dict[str, tuple[Any, Any]]:
+    return {
+        f: (getattr(a, f), getattr(b, f)) for f in ARCH_FIELDS if getattr(a, f) != getattr(b, f)
+    }
+
+
+def model_overrides(cfg: ModelConfig) -> list[str]:
+    """Dotted `model.*=value` overrides that make a run config's model equal to `cfg`."""
+    return [f"model.{f}={json.dumps(getattr(cfg, f))}" for f in ARCH_FIELDS]
+
+
+def import_to_run(
+    path: str | Path,
+    run_url: str,
+    *,
+    config_path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    log=print,
+) -> dict[str, Any]:
+    """Publish the checkpoint at `path` as version 0 of `run_url`'s base parameter server.
+
+    Creates the run (config file + overrides, model section from the checkpoint) and its
+    data if it does not exist; an existing run must have the checkpoint's architecture.
+    Idempotent: a base already published is left as is. Returns a summary dict.
+    """
+    from pipeline.config import load_config
+    from pipeline.demo import write_data
+    from pipeline.run import Run, RunError
+    from pipeline.storage import open_store
+    from tpu_jobs.sft import base_server
+
+    path = Path(path)
+    hf_cfg = read_hf_config(path)
+    fam = family_of(hf_cfg)
+    hf_model_cfg = model_config_from_hf(hf_cfg)
+    existing = open_store(run_url).exists("config.json")
+    if existing:
+        run = Run.open(run_url)
+        if config_path is not None or overrides:
+            log(f"[hf] run {run_url} exists: --config and overrides are ignored")
+        cfg = run.config
+    else:
+        model = {f: getattr(hf_model_cfg, f) for f in ARCH_FIELDS}
+        model["max_seq_len"] = hf_model_cfg.max_seq_len
+        cfg = load_config(config_path, overrides, extra={"model": model})
+    diff = _arch_diff(cfg.model, hf_model_cfg)
+    if diff:  # checked before creating anything
+        raise RunError(
+            f"run {run_url} {'has' if existing else 'would have'} another architecture than "
+            f"{path}: "
+            + ", ".join(f"model.{k}={v[0]!r} (checkpoint: {v[1]!r})" for k, v in diff.items())
+            + "; import into a new run, or create it with: "
+            + " ".join(model_overrides(hf_model_cfg))
+        )
+    created = not existing
+    if created:
+        run = Run.create(run_url, cfg)
+        n_train, n_eval = write_data(run)
+        log(f"[hf] created run {run.url}: {n_train} training and {n_eval} held-out problems")
+    server = base_server(run)
+    summary = {"run": run.url, "architecture": fam.architecture, "created": created}
+    if 0 in server.versions():
+        log(f"[hf] {run.url}/base already has version 0; leaving it as is")
+        return {**summary, "published": False}
+    flat = hf_to_flat(load_hf_tensors(path), run.config.model)
+    hf_store = server.store.child(HF_PREFIX)
+    for name in (CONFIG_FILE, *TOKENIZER_FILES):
+        if (path / name).is_file():
+            hf_store.write_new(name, (path / name).read_bytes())
+    n_params = int(sum(a.size for a in flat.values()))
+    server.publish(
+        0,
+        flat,
+        epoch=server.acquire_epoch(),
+        metadata={
+            "source": "hf",
+            "path": str(path.resolve()),
+            "architecture": fam.architecture,
+            "params": n_params,
+        },
+    )
+    log(f"[hf] published {fam.architecture} ({n_params:,} params) as {run.url}/base v0")
+    return {**summary, "published": True, "params": n_params}
+
+
+def export_from_run(
+    run_url: str,
+    version: int | str,
+    out_dir: str | Path,
+    *,
+    base: bool = False,
+    dtype: str = "float32",
+    max_shard_bytes: int | None = None,
+    log=print,
+) -> Path:
+    """Export version `version` ("latest" or an int) of the run's weights (its base with
+    `base=True`) as an HF checkpoint directory, with the imported config/tokenizer files."""
+    from pipeline.paramserver import ParamServer
+    from pipeline.run import Run
+    from pipeline.storage import ObjectNotFound
+    from tpu_jobs.sft import base_server
+
+    run = Run.open(run_url)
+    server = base_server(run) if base else ParamServer(run.store)
+    v = None if str(version) == "latest" else int(version)
+    snap = server.pull(v)
+    hf_store = base_server(run).store.child(HF_PREFIX)
+    extra, base_config = {}, None
+    for name in (CONFIG_FILE, *TOKENIZER_FILES):
+        try:
+            data = hf_store.read(name)
+        except ObjectNotFound:
+            continue
+        if name == CONFIG_FILE:
+            base_config = json.loads(data)
+        else:
+            extra[name] = data
+    out = export_hf(
+        out_dir,
+        run.config.model,
+        snap.tensors,
+        family=family_of(base_config).architecture if base_config else None,
+        base_config=base_config,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        extra_files=extra,
+    )
+    log(f"[hf] exported {run.url} {'base ' if base else ''}v{snap.version} to {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tpu_jobs.hf",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_imp = sub.add_parser("import", help="publish a local HF checkpoint as a run's base model")
+    p_imp.add_argument("path", help="local checkpoint directory (config.json + safetensors)")
+    p_imp.add_argument("--run", required=True, help="run URL (directory or gs://bucket/prefix)")
+    p_imp.add_argument("--config", default=None, help="run config YAML, used if the run is new")
+    p_imp.add_argument("overrides", nargs="*", help="dotted overrides, used if the run is new")
+    p_exp = sub.add_parser("export", help="write a run's weights as an HF checkpoint directory")
+    p_exp.add_argument("--run", required=True)
+    p_exp.add_argument("--version", default="latest", help="an int or 'latest'")
+    p_exp.add_argument("--out", required=True, help="output directory")
+    p_exp.add_argument("--base", action="store_true", help="export the base model (base/)")
+    p_exp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p_exp.add_argument("--max-shard-mb", type=int, default=0, help="0: one file")
+    p_cfg = sub.add_parser("config", help="print the model.* overrides of a checkpoint")
+    p_cfg.add_argument("path")
+    # Overrides may follow --run/--config (argparse would not match them to `overrides`).
+    args, rest = parser.parse_known_args(argv)
+    bad = [r for r in rest if args.command != "import" or "=" not in r or r.startswith("-")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if rest:
+        args.overrides = [*args.overrides, *rest]
+    from pipeline.config import ConfigError
+    from pipeline.run import RunError
+
+    try:
+        if args.command == "import":
+            import_to_run(args.path, args.run, config_path=args.config, overrides=args.overrides)
+        elif args.command == "export":
+            shard = args.max_shard_mb << 20 if args.max_shard_mb > 0 else None
+            export_from_run(
+                args.run,
+                args.version,
+                args.out,
+                base=args.base,
+                dtype=args.dtype,
+                max_shard_bytes=shard,
+            )
+        else:
+            cfg = model_config_from_hf(read_hf_config(args.path))
+            print(" ".join(model_overrides(cfg)))
+            print(json.dumps({k: v for k, v in asdict(cfg).items()}, indent=2), file=sys.stderr)
+    except (HFError, RunError, ConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
