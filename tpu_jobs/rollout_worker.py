@@ -9,6 +9,13 @@ for each of the batch's prompts with the pinned policy version
 the batch create-only. Sampling keys derive from (seed, batch index, prompt position,
 sample index) only, so whichever worker produces a batch, it is the same batch.
 A snapshot that fails its checksums is refused and the worker keeps its weights.
+
+DAPO's rollout side (Yu et al. 2025), on when the trainer config asks for it
+(`TrainerConfig.uses_dynamic_sampling` / `overlong_cache`, DAPO preset): dynamic sampling
+drops groups whose G rewards are all equal (zero advantage, no gradient) and refills the
+batch from further candidate prompts of the batch's extended deterministic slice, at most
+`dynamic_sampling_rounds` rounds; the soft overlong punishment
+(`losses.overlong_penalty`) is added to each reward by completion length.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from pipeline.run import DONE_KEY, Run
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks import get_task
 from pipeline.tokenizer import get_tokenizer
+from tpu_jobs.losses import filter_constant_groups, overlong_penalty
 from tpu_jobs.model import init_model, load_flat_params
 from tpu_jobs.sampler import Sampler
 
@@ -64,6 +72,7 @@ class RolloutWorker:
         self.version: int | None = None
         self._stop = False
         self.batches_done = 0
+        self.last_stats: dict[str, int] = {}  # dynamic-sampling counts of the last batch
 
     def request_stop(self, *_: Any) -> None:
         self._stop = True
@@ -80,15 +89,18 @@ class RolloutWorker:
         self.version = version
         return True
 
-    def generate_batch(self, index: int, version: int) -> RolloutBatch:
-        cfg = self.cfg
-        g = cfg.rollout.group_size
-        idx = batch_problem_indices(
-            index, cfg.rollout.prompts_per_batch, len(self.problems), cfg.seed
-        )
+    def _generate_round(self, index: int, rnd: int) -> dict[str, Any]:
+        """Round `rnd` of batch `index`: G samples for each of the prompts_per_batch
+        candidate slots rnd * P .. rnd * P + P - 1, scored (and overlong-shaped)."""
+        cfg, tc = self.cfg, self.cfg.trainer
+        g, p = cfg.rollout.group_size, cfg.rollout.prompts_per_batch
+        rounds = tc.dynamic_sampling_rounds if tc.uses_dynamic_sampling() else 1
+        # Candidate slots of batch i are the deterministic slice [i*R*P, (i+1)*R*P) of the
+        # prompt stream (R = 1 without dynamic sampling: the plain batch slice).
+        idx = batch_problem_indices(index * rounds + rnd, p, len(self.problems), cfg.seed)
         problems = [self.problems[i] for i in idx]
-        prompts = [self.tok.encode_prompt(p.prompt) for p in problems for _ in range(g)]
-        keys = sample_keys(cfg.seed, ROLLOUT_STREAM, index, 0, len(problems), g)
+        prompts = [self.tok.encode_prompt(q.prompt) for q in problems for _ in range(g)]
+        keys = sample_keys(cfg.seed, ROLLOUT_STREAM, index, rnd * p, p, g)
         out = self.sampler.generate(
             self.model,
             prompts,
@@ -100,26 +112,81 @@ class RolloutWorker:
             dtype=cfg.sampler.dtype,
         )
         completions, texts, logps, rewards = [], [], [], []
-        for row, p in enumerate(p for p in problems for _ in range(g)):
+        for row, q in enumerate(q for q in problems for _ in range(g)):
             n = int(out.lengths[row])
             ids = out.tokens[row, :n].tolist()
             text = self.tok.decode(ids)
             completions.append(ids)
             texts.append(text)
             logps.append(out.logprobs[row, :n].tolist())
-            rewards.append(get_task(p.task).verify(p, text))
+            rewards.append(get_task(q.task).verify(q, text))
+        rewards = np.asarray(rewards, np.float32)
+        cache = tc.overlong_cache(cfg.sampler.max_new_tokens)
+        if cache > 0:  # DAPO soft overlong punishment, added to the verifier's reward
+            pen = overlong_penalty(out.lengths, cfg.sampler.max_new_tokens, cache)
+            rewards = (rewards + pen).astype(np.float32)
+        return {
+            "problems": problems,
+            "slots": np.arange(p) + rnd * p,
+            "prompts": prompts,
+            "completions": completions,
+            "texts": texts,
+            "logps": logps,
+            "rewards": rewards,
+            "finished": out.finished.astype(bool),
+        }
+
+    def generate_batch(self, index: int, version: int) -> RolloutBatch:
+        """The batch: G samples for each of prompts_per_batch prompts.
+
+        With dynamic sampling (DAPO), groups whose G rewards are all equal are dropped and
+        further candidate prompts are generated, round by round, until prompts_per_batch
+        groups with unequal rewards are found or `dynamic_sampling_rounds` rounds are used;
+        the batch then holds only those groups (possibly fewer, possibly none). Keys still
+        depend only on (seed, batch index, candidate slot, sample), so the batch is the same
+        whoever makes it. `prompt_pos` holds each group's candidate slot.
+        """
+        cfg, tc = self.cfg, self.cfg.trainer
+        g, p = cfg.rollout.group_size, cfg.rollout.prompts_per_batch
+        dynamic = tc.uses_dynamic_sampling()
+        rounds = tc.dynamic_sampling_rounds if dynamic else 1
+        parts: list[tuple[dict[str, Any], np.ndarray]] = []
+        kept = seen = 0
+        for rnd in range(rounds):
+            r = self._generate_round(index, rnd)
+            keep = filter_constant_groups(r["rewards"], g) if dynamic else np.ones(p, bool)
+            seen += p
+            take = np.flatnonzero(keep)[: p - kept]
+            parts.append((r, take))
+            kept += len(take)
+            if kept >= p:
+                break
+        self.last_stats = {"ds_candidates": seen, "ds_kept": kept, "ds_rounds": len(parts)}
+        cols: dict[str, list[Any]] = {k: [] for k in ("pos", "prob", "pr", "co", "tx", "lp", "rw")}
+        fin: list[bool] = []
+        for r, take in parts:
+            for j in take:
+                rows = range(j * g, (j + 1) * g)
+                cols["pos"] += [int(r["slots"][j])] * g
+                cols["prob"] += [r["problems"][j]] * g
+                cols["pr"] += [r["prompts"][i] for i in rows]
+                cols["co"] += [r["completions"][i] for i in rows]
+                cols["tx"] += [r["texts"][i] for i in rows]
+                cols["lp"] += [r["logps"][i] for i in rows]
+                cols["rw"] += [float(r["rewards"][i]) for i in rows]
+                fin += [bool(r["finished"][i]) for i in rows]
         return RolloutBatch(
             batch_index=index,
-            prompt_pos=np.repeat(np.arange(len(problems)), g),
-            prompt_id=[p.problem_id for p in problems for _ in range(g)],
-            task=[p.task for p in problems for _ in range(g)],
-            sample_index=np.tile(np.arange(g), len(problems)),
-            prompt_ids=prompts,
-            completion_ids=completions,
-            behaviour_logprobs=logps,
-            completion=texts,
-            finished=out.finished.astype(bool),
-            reward=np.asarray(rewards, np.float32),
+            prompt_pos=np.asarray(cols["pos"], np.int64),
+            prompt_id=[q.problem_id for q in cols["prob"]],
+            task=[q.task for q in cols["prob"]],
+            sample_index=np.tile(np.arange(g), kept),
+            prompt_ids=cols["pr"],
+            completion_ids=cols["co"],
+            behaviour_logprobs=cols["lp"],
+            completion=cols["tx"],
+            finished=np.asarray(fin, bool),
+            reward=np.asarray(cols["rw"], np.float32),
             policy_version=version,
             worker_id=self.worker_id,
         )
@@ -159,8 +226,10 @@ class RolloutWorker:
             self.batches_done += committed
             dt = time.time() - t0
             self._record_attempt(batch, committed, dt)
+            reward = float(batch.reward.mean()) if len(batch) else float("nan")
             self.log(
-                f"[{self.worker_id}] batch {index} v{version} reward {batch.reward.mean():.3f} "
+                f"[{self.worker_id}] batch {index} v{version} reward {reward:.3f} "
+                f"{len(batch) // self.cfg.rollout.group_size} groups "
                 f"{batch.num_tokens() / dt:,.0f} tok/s"
                 + ("" if committed else " (already committed by another worker; discarded)")
             )
@@ -174,8 +243,9 @@ class RolloutWorker:
             "policy_version": batch.policy_version,
             "committed": bool(committed),
             "tokens": batch.num_tokens(),
-            "reward_mean": float(batch.reward.mean()),
+            "reward_mean": float(batch.reward.mean()) if len(batch) else None,
             "seconds": seconds,
+            **self.last_stats,
         }
         key = f"metrics/rollout/b{batch.batch_index:08d}-{uuid.uuid4().hex[:12]}.json"
         self.run.store.write_new(key, json.dumps(record, sort_keys=True).encode())

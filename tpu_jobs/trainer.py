@@ -2,32 +2,54 @@
 
     python -m tpu_jobs.trainer --run RUN_URL
 
-Load order at start: this run's latest Orbax checkpoint (params, optimizer state, step,
-next batch index); else the base model (`base/` snapshot written by the SFT bootstrap
-or an HF import). Every start takes a new epoch (fencing token), so an older trainer
-still running somewhere can no longer publish.
+Load order at start: this run's latest Orbax checkpoint (policy and value-head params,
+optimizer state, step, next batch index, counters); else the base model (`base/` snapshot
+written by the SFT bootstrap or an HF import). Every start takes a new epoch (fencing
+token), so an older trainer still running somewhere can no longer publish.
 
 Step t reads batch t (so replay is deterministic), drops it if it is more than
-`max_staleness` versions old, computes the loss, updates, publishes version
-t // publish_every when due and checkpoints every `checkpoint_every` steps and on SIGTERM.
+`max_staleness` versions old (or holds no group at all, see DAPO below), computes the
+loss, updates, publishes version t // publish_every when due and checkpoints every
+`checkpoint_every` steps and on SIGTERM.
+
+The objective is `losses.compute_loss` with the LossSpec of `trainer.algorithm` and the
+config's overrides (`TrainerConfig.loss_overrides`). `Learner` holds the math (train state,
+jitted steps) without any storage, so tests and benchmarks drive it directly.
+
+What pi_old is. Batch t was sampled by pi_behaviour (the worker's version, its log-probs
+stored in the batch). With `old_logprobs="recompute"` pi_old is the trainer's policy at
+the start of the step, re-evaluated here in float32: on the first (or only) update of a
+batch the ratio pi_theta / pi_old is exactly 1 and only later updates of the same batch
+(`mini_batches * epochs > 1`) can be clipped. Everything that separates pi_old from
+pi_behaviour (staleness <= max_staleness, the sampler's dtype and kernels) goes through
+the importance weight pi_old / pi_behaviour of `is_correction` ("tis": truncated at
+`is_cap`, "mis": masked above it). With `old_logprobs="behaviour"` the ratio is anchored at
+the sampler's log-probs (classic PPO on stored log-probs). Every step logs the alignment
+of trainer and sampler (mean / max |log pi_old - log pi_behaviour|) and the IS-ratio
+statistics, whichever mode is on.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import io
 import json
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pyarrow.parquet as pq
+from flax import nnx
 
 from pipeline import failpoints
+from pipeline.config import ModelConfig, RunConfig
 from pipeline.leases import BatchLeases
 from pipeline.paramserver import ParamServer, StaleEpochError
 from pipeline.rollouts import RolloutBatch, from_parquet_bytes
@@ -35,23 +57,410 @@ from pipeline.run import DONE_KEY, Run
 from pipeline.tokenizer import get_tokenizer
 from tpu_jobs import checkpoints
 from tpu_jobs.batching import pack_rows, pad_values, round_up
-from tpu_jobs.losses import compute_loss, loss_spec
+from tpu_jobs.losses import (
+    MAX_LOG_RATIO,
+    LossSpec,
+    compute_advantages,
+    compute_loss,
+    loss_spec,
+    masked_max,
+    masked_mean,
+    masked_min,
+)
+from tpu_jobs.model import init_model
 from tpu_jobs.sft import base_server
-from tpu_jobs.state import flat_to_params, make_optimizer, new_model, params_to_flat
+from tpu_jobs.state import flat_to_params, make_optimizer, new_model, params_to_flat, split_model
+from tpu_jobs.value_head import init_value_head, policy_forward
+
+sg = jax.lax.stop_gradient
+
+
+class StepInputs(NamedTuple):
+    """One batch as fixed-shape arrays (rows = prompts_per_batch * G; missing groups of a
+    dynamic-sampling batch are all-masked rows that contribute nothing)."""
+
+    tokens: Any  # [R, P + C] int32
+    mask: Any  # [R, P + C] int32
+    comp_mask: Any  # [R, C] float32
+    logp_behaviour: Any  # [R, C] float32, the sampler's log-probs
+    rewards: Any  # [R] float32
+
+
+class Prepared(NamedTuple):
+    """Per-batch quantities fixed at the start of a step (general path)."""
+
+    logp_old: Any  # [R, C] the ratio's anchor
+    logp_trainer: Any  # [R, C] the trainer's recomputed log-probs at the start
+    logp_ref: Any  # [R, C] or None
+    old_values: Any  # [R, C] or None
+    advantages: Any  # [R, C]
+    returns: Any  # [R, C] or None
+
+
+def alignment_metrics(
+    logp_trainer: jax.Array, logp_behaviour: jax.Array, mask: jax.Array, cap: float
+) -> dict[str, jax.Array]:
+    """Trainer-vs-sampler log-prob agreement and the IS ratio pi_old / pi_behaviour."""
+    lr = jnp.where(mask > 0, sg(logp_trainer) - logp_behaviour, 0.0)
+    rho = jnp.exp(jnp.clip(lr, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+    return {
+        "logprob_absdiff_mean": masked_mean(jnp.abs(lr), mask),
+        "logprob_absdiff_max": masked_max(jnp.abs(lr), mask),
+        "is_ratio_mean": masked_mean(rho, mask),
+        "is_ratio_min": masked_min(rho, mask),
+        "is_ratio_max": masked_max(rho, mask),
+        "is_ratio_frac_over_cap": masked_mean((rho > cap).astype(jnp.float32), mask),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Compiled programs. The model's forward (+ VJP) and backward depend only on the model and
+# the shapes; the loss "head" on the objective; the optimizer update on its settings. Each
+# is compiled once per process and shared by every Learner with the same key, so trying
+# another objective on the same model compiles only a small head program.
+# --------------------------------------------------------------------------------------
+
+
+class ModelPrograms:
+    """Jitted model programs for one (model, prompt length, temperature, outputs) key.
+
+    Train params are `{"policy": <model params>[, "value": <value head>]}`; outputs are
+    `(logp, entropy | None, values | None)` of the completion tokens, [R, C] each.
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        prompt_len: int,
+        temperature: float,
+        values: bool,
+        entropy: bool,
+    ) -> None:
+        abstract = nnx.eval_shape(lambda: init_model(model_cfg, 0))
+        self.fns, _ = split_model(abstract)
+        fns, p = self.fns, prompt_len
+
+        def outputs(params, tokens, mask):
+            if values or entropy:
+                out = policy_forward(
+                    fns.merge(params["policy"]),
+                    tokens,
+                    mask,
+                    temperature,
+                    params.get("value"),
+                    entropy=entropy,
+                )
+                return tuple(None if x is None else x[:, p:] for x in out)
+            return fns.logprobs(params["policy"], tokens, mask, temperature)[:, p:], None, None
+
+        def forward_vjp(params, tokens, mask):
+            return jax.vjp(lambda prm: outputs(prm, tokens, mask), params)
+
+        def ref_logp(ref_params, tokens, mask):
+            return sg(fns.logprobs(ref_params, tokens, mask, temperature)[:, p:])
+
+        # Unjitted, for callers composing their own programs (the fused step).
+        self.outputs, self.ref_outputs = outputs, ref_logp
+        self.forward = jax.jit(outputs)
+        self.forward_vjp = jax.jit(forward_vjp)
+        self.backward = jax.jit(lambda vjp_fn, cot: vjp_fn(cot)[0])
+        self.ref_logp = jax.jit(ref_logp)
+
+
+@functools.lru_cache(maxsize=8)
+def model_programs(
+    model_cfg: ModelConfig, prompt_len: int, temperature: float, values: bool, entropy: bool
+) -> ModelPrograms:
+    return ModelPrograms(model_cfg, prompt_len, temperature, values, entropy)
+
+
+def _head_loss(spec: LossSpec, group_size: int, recompute: bool):
+    """loss(outs, inp, pre, logp_ref, norm) -> (loss, metrics) for one objective."""
+
+    def loss(outs, inp: StepInputs, pre: Prepared | None, logp_ref, norm):
+        logp, entropy, values = outs
+        cm = inp.comp_mask
+        if pre is None:  # single update: pi_old is the params of this very forward
+            logp_trainer = sg(logp)
+            logp_old = logp_trainer if recompute else inp.logp_behaviour
+            old_values = None if values is None else sg(values)
+            extra = {"rewards": inp.rewards, "group_size": group_size}
+        else:
+            logp_trainer, logp_old, old_values = pre.logp_trainer, pre.logp_old, pre.old_values
+            logp_ref = pre.logp_ref
+            extra = {"advantages": pre.advantages, "returns": pre.returns}
+        value, metrics = compute_loss(
+            spec,
+            logp,
+            logp_old,
+            cm,
+            logp_ref=logp_ref,
+            logp_behaviour=inp.logp_behaviour,
+            values=values,
+            old_values=old_values,
+            entropy=entropy,
+            norm=norm,
+            **extra,
+        )
+        metrics = dict(metrics)
+        if pre is None:
+            metrics.update(alignment_metrics(logp_trainer, inp.logp_behaviour, cm, spec.is_cap))
+        return value, metrics
+
+    return loss
+
+
+@functools.lru_cache(maxsize=64)
+def head_programs(spec: LossSpec, group_size: int, recompute: bool):
+    """(grad head, prepare head), jitted, for one objective."""
+    loss = _head_loss(spec, group_size, recompute)
+
+    def grad_head(outs, inp, pre, logp_ref, norm):
+        (value, metrics), cot = jax.value_and_grad(loss, has_aux=True)(
+            outs, inp, pre, logp_ref, norm
+        )
+        metrics["loss"] = value
+        return metrics, cot
+
+    def prepare(outs, inp: StepInputs, logp_ref):
+        """pi_old, reference, critic values and advantages of the whole batch, once."""
+        logp, _, values = outs
+        logp_old = logp if recompute else inp.logp_behaviour
+        res = compute_advantages(
+            spec,
+            inp.rewards,
+            inp.comp_mask,
+            group_size=group_size,
+            logp_old=logp_old,
+            logp_ref=logp_ref,
+            values=values,
+        )
+        pre = Prepared(logp_old, logp, logp_ref, values, res.advantages, res.returns)
+        metrics = dict(res.metrics)
+        metrics.update(alignment_metrics(logp, inp.logp_behaviour, inp.comp_mask, spec.is_cap))
+        return pre, metrics
+
+    return jax.jit(grad_head), jax.jit(prepare)
+
+
+@functools.lru_cache(maxsize=32)
+def apply_program(
+    lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    weight_decay: float,
+    grad_clip: float,
+    value_lr_mult: float,
+):
+    """(optimizer, update function, jitted update): AdamW; the value head's updates are
+    scaled by value_lr_mult (its learning rate is lr * value_lr_mult)."""
+    tx = make_optimizer(lr, warmup_steps, total_steps, weight_decay, grad_clip)
+
+    def apply(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        if "value" in updates and value_lr_mult != 1.0:
+            scaled = jax.tree.map(lambda u: u * value_lr_mult, updates["value"])
+            updates = {**updates, "value": scaled}
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+    return tx, apply, jax.jit(apply, donate_argnums=(0, 1))
+
+
+_add_trees = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+
+
+class Learner:
+    """The trainer's math for one run config: train state and the update of one step.
+
+    A step chains shared programs: forward (+ VJP) of the model, the objective's head
+    (loss, metrics and the cotangents of the model outputs; pi_old = the stop-gradient of
+    this forward), the model's backward and the optimizer update. With several updates per
+    batch or micro-batches, a no-grad forward first fixes pi_old, the reference and critic
+    values and the advantages of the whole batch (`Prepared`). The model programs compile
+    once per model and shape and serve every objective (each objective adds a small head
+    program). `fused` (default: trainer.fused_step) makes a single-update step one jitted
+    program instead; on XLA:CPU that measured slower (benchmarks/results/trainer.md).
+    """
+
+    def __init__(self, cfg: RunConfig, prompt_len: int, *, fused: bool | None = None) -> None:
+        tc = cfg.trainer
+        self.cfg = cfg
+        self.spec: LossSpec = loss_spec(tc.algorithm, **tc.loss_overrides())
+        self.prompt_len = prompt_len
+        self.completion_len = cfg.sampler.max_new_tokens
+        self.group_size = cfg.rollout.group_size
+        self.groups = cfg.rollout.prompts_per_batch
+        self.rows = self.groups * self.group_size
+        if self.groups % tc.mini_batches:
+            raise ValueError(
+                f"trainer.mini_batches={tc.mini_batches} is invalid for prompts_per_batch="
+                f"{self.groups}; allowed: a divisor of prompts_per_batch (mini-batches hold "
+                "whole groups)"
+            )
+        self.mini_rows = self.rows // tc.mini_batches
+        self.micro_rows = tc.micro_batch or self.mini_rows
+        if self.mini_rows % self.micro_rows:
+            raise ValueError(
+                f"trainer.micro_batch={tc.micro_batch} is invalid; allowed: 0 or a divisor of "
+                f"the mini-batch's {self.mini_rows} rows"
+            )
+        self.uses_values = self.spec.advantage == "gae" or self.spec.vf_coef > 0
+        self.needs_ref = self.spec.kl_coef > 0 or self.spec.reward_kl_coef > 0
+        self.needs_entropy = self.spec.entropy_coef > 0
+        self.recompute = tc.old_logprobs == "recompute"
+        self.updates_per_step = tc.mini_batches * tc.epochs
+        self.single = self.updates_per_step == 1 and self.micro_rows == self.rows
+        self.programs = model_programs(
+            cfg.model,
+            prompt_len,
+            float(cfg.sampler.temperature),
+            self.uses_values,
+            self.needs_entropy,
+        )
+        self.fns = self.programs.fns
+        self._grad_head, self._prepare = head_programs(self.spec, self.group_size, self.recompute)
+        u = self.updates_per_step
+        self.tx, apply_fn, self._apply = apply_program(
+            tc.lr,
+            tc.warmup_steps * u,
+            tc.steps * u,
+            tc.weight_decay,
+            tc.grad_clip,
+            tc.value_lr_mult if self.uses_values else 1.0,
+        )
+        _, policy = new_model(cfg.model, cfg.seed)
+        self.template = self.init_state(policy)
+        self.fused = (tc.fused_step if fused is None else fused) and self.single
+        if self.fused:
+            self._fused_step = jax.jit(
+                self._fused_fn(_head_loss(self.spec, self.group_size, self.recompute), apply_fn),
+                donate_argnums=(0, 1),
+            )
+
+    def _fused_fn(self, loss, apply_fn):
+        outputs, ref_outputs = self.programs.outputs, self.programs.ref_outputs
+
+        def step(params, opt_state, ref_params, inp: StepInputs):
+            logp_ref = None
+            if ref_params is not None:
+                logp_ref = ref_outputs(ref_params, inp.tokens, inp.mask)
+
+            def f(prm):
+                return loss(outputs(prm, inp.tokens, inp.mask), inp, None, logp_ref, None)
+
+            (value, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
+            metrics["loss"] = value
+            params, opt_state, metrics["grad_norm"] = apply_fn(params, opt_state, grads)
+            return params, opt_state, metrics
+
+        return step
+
+    # ------------------------------------------------------------------ state
+    def init_params(self, policy_params: Any) -> dict[str, Any]:
+        params = {"policy": policy_params}
+        if self.uses_values:
+            params["value"] = init_value_head(self.cfg.model.hidden_size)
+        return params
+
+    def init_state(self, policy_params: Any) -> tuple[dict[str, Any], Any]:
+        params = self.init_params(policy_params)
+        return params, self.tx.init(params)
+
+    # ------------------------------------------------------------------- step
+    def _grads(self, params, inp: StepInputs, pre: Prepared | None, logp_ref, norm):
+        outs, vjp_fn = self.programs.forward_vjp(params, inp.tokens, inp.mask)
+        metrics, cot = self._grad_head(outs, inp, pre, logp_ref, norm)
+        return self.programs.backward(vjp_fn, cot), metrics
+
+    def step(self, params, opt_state, ref_params, inp: StepInputs):
+        """One trainer step on one batch: (params, opt_state, {metric: float})."""
+        inp = StepInputs(*(jnp.asarray(x) for x in inp))
+        logp_ref = None
+        if ref_params is not None and self.needs_ref and not self.fused:
+            logp_ref = self.programs.ref_logp(ref_params, inp.tokens, inp.mask)
+        if self.fused:
+            ref = ref_params if self.needs_ref else None
+            params, opt_state, metrics = self._fused_step(params, opt_state, ref, inp)
+            return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if self.single:
+            grads, metrics = self._grads(params, inp, None, logp_ref, None)
+            params, opt_state, metrics["grad_norm"] = self._apply(params, opt_state, grads)
+            return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
+        outs = self.programs.forward(params, inp.tokens, inp.mask)
+        pre, pre_metrics = self._prepare(outs, inp, logp_ref)
+        tc = self.cfg.trainer
+        per_update: list[dict[str, Any]] = []
+        for _ in range(tc.epochs):
+            for k in range(tc.mini_batches):
+                lo = k * self.mini_rows
+                norm = self._norm(inp.comp_mask[lo : lo + self.mini_rows])
+                grads, parts = None, []
+                for m0 in range(lo, lo + self.mini_rows, self.micro_rows):
+
+                    def take(x, m0=m0):
+                        return x[m0 : m0 + self.micro_rows]
+
+                    g, m = self._grads(
+                        params, jax.tree.map(take, inp), jax.tree.map(take, pre), None, norm
+                    )
+                    grads = g if grads is None else _add_trees(grads, g)
+                    parts.append(jax.device_get(m))
+                params, opt_state, grad_norm = self._apply(params, opt_state, grads)
+                m = {key: float(np.mean([p[key] for p in parts])) for key in parts[0]}
+                m["loss"] = float(np.sum([p["loss"] for p in parts]))
+                m["grad_norm"] = float(grad_norm)
+                per_update.append(m)
+        metrics = {k: float(v) for k, v in jax.device_get(pre_metrics).items()}
+        for key in per_update[0]:
+            metrics[key] = float(np.mean([m[key] for m in per_update]))
+        # The clip can only act after the first update of a batch: report the last one too.
+        for key in ("clip_frac", "ratio_max", "ratio_min", "approx_kl"):
+            if key in per_update[-1]:
+                metrics[key + "_last_update"] = per_update[-1][key]
+        metrics["updates"] = float(len(per_update))
+        return params, opt_state, metrics
+
+    def _norm(self, comp_mask) -> jax.Array:
+        """The aggregation's denominator over a whole mini-batch (micro-batches sum)."""
+        if self.spec.aggregation == "token_mean":
+            return jnp.maximum(jnp.sum(comp_mask), 1.0)
+        return jnp.maximum(jnp.sum((jnp.sum(comp_mask, -1) > 0).astype(jnp.float32)), 1.0)
+
+    # ------------------------------------------------------------- batches
+    def inputs(self, batch: RolloutBatch, pad_id: int = 0) -> StepInputs:
+        """Pack a batch into fixed shapes, padding missing groups with empty rows."""
+        n = len(batch)
+        if n > self.rows or n % self.group_size:
+            raise ValueError(
+                f"batch {batch.batch_index} has {n} rows; allowed: whole groups of "
+                f"G={self.group_size}, at most prompts_per_batch * G = {self.rows}"
+            )
+        pad = self.rows - n
+        prompts = list(batch.prompt_ids) + [[]] * pad
+        completions = list(batch.completion_ids) + [[]] * pad
+        tokens, mask, comp_mask = pack_rows(
+            prompts, completions, self.prompt_len, self.completion_len, pad_id
+        )
+        logp_b = pad_values(list(batch.behaviour_logprobs) + [[]] * pad, self.completion_len)
+        rewards = np.zeros(self.rows, np.float32)
+        rewards[:n] = batch.reward
+        return StepInputs(tokens, mask, comp_mask, logp_b, rewards)
 
 
 @dataclass
 class TrainerState:
-    params: Any
+    params: Any  # {"policy": ..., ["value": ...]}
     opt_state: Any
     step: int = 0
     next_batch: int = 0
-    dropped: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    dropped: int = 0  # all dropped batches (stale + empty)
+    dropped_stale: int = 0
+    dropped_empty: int = 0  # dynamic sampling found no informative group
+    staleness_hist: dict[str, int] = field(default_factory=dict)  # over batches read
 
 
 class Trainer:
-    def __init__(self, run: Run, *, log=print) -> None:
+    def __init__(self, run: Run, *, log=print, fused: bool | None = None) -> None:
         self.run = run
         self.cfg = run.config
         self.log = log
@@ -59,57 +468,15 @@ class Trainer:
         self.leases = BatchLeases(run.store, ttl_seconds=self.cfg.rollout.lease_seconds)
         tok = get_tokenizer("char")
         problems = run.read_problems("train")
-        self.prompt_len = round_up(max(len(tok.encode_prompt(p.prompt)) for p in problems), 8)
-        self.completion_len = self.cfg.sampler.max_new_tokens
+        prompt_len = round_up(max(len(tok.encode_prompt(p.prompt)) for p in problems), 8)
         self.pad_id = tok.pad_id
-        tc = self.cfg.trainer
-        self.fns, params = new_model(self.cfg.model, self.cfg.seed)
-        self.tx = make_optimizer(tc.lr, tc.warmup_steps, tc.steps, tc.weight_decay, tc.grad_clip)
-        self.spec = loss_spec(
-            tc.algorithm,
-            eps_low=tc.clip_eps,
-            eps_high=tc.clip_eps,
-            adv_eps=tc.adv_eps,
-            kl_coef=tc.kl_coef,
-        )
+        self.learner = Learner(self.cfg, prompt_len, fused=fused)
+        self.spec = self.learner.spec
+        self.prompt_len = prompt_len
         self.ref_params = None  # the frozen base model, when a KL term needs it
-        self._template = (params, self.tx.init(params))
-        self._step_fn = jax.jit(self._train_step, donate_argnums=(0, 1))
-        self.ckpt = checkpoints.TrainerCheckpoints(run, keep=tc.keep_checkpoints)
+        self._template = self.learner.template
+        self.ckpt = checkpoints.TrainerCheckpoints(run, keep=self.cfg.trainer.keep_checkpoints)
         self._stop = False
-
-    # ---------------------------------------------------------------- math
-    def _loss(self, params, ref_params, tokens, mask, comp_mask, logp_behaviour, rewards):
-        temp = max(self.cfg.sampler.temperature, 1e-6)
-        logp = self.fns.logprobs(params, tokens, mask, temp)[:, self.prompt_len :]
-        logp_ref = None
-        if ref_params is not None:
-            logp_ref = self.fns.logprobs(ref_params, tokens, mask, temp)[:, self.prompt_len :]
-        loss, metrics = compute_loss(
-            self.spec,
-            logp,
-            logp_behaviour,
-            comp_mask,
-            rewards=rewards,
-            group_size=self.cfg.rollout.group_size,
-            logp_ref=None if logp_ref is None else jax.lax.stop_gradient(logp_ref),
-        )
-        diff = jnp.abs(jax.lax.stop_gradient(logp) - logp_behaviour) * comp_mask
-        metrics = dict(metrics)
-        metrics["logprob_absdiff_mean"] = diff.sum() / jnp.maximum(comp_mask.sum(), 1.0)
-        metrics["logprob_absdiff_max"] = diff.max()
-        return loss, metrics
-
-    def _train_step(
-        self, params, opt_state, ref_params, tokens, mask, comp_mask, logp_behaviour, rewards
-    ):
-        (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
-            params, ref_params, tokens, mask, comp_mask, logp_behaviour, rewards
-        )
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        metrics["loss"] = loss
-        return optax.apply_updates(params, updates), opt_state, metrics
 
     # ----------------------------------------------------------- lifecycle
     def restore_or_init(self) -> TrainerState:
@@ -123,7 +490,14 @@ class Trainer:
                 )
             self.log(f"[trainer] resumed from checkpoint at step {meta['step']}")
             return TrainerState(
-                params, opt_state, meta["step"], meta["next_batch"], meta.get("dropped", 0)
+                params,
+                opt_state,
+                meta["step"],
+                meta["next_batch"],
+                meta.get("dropped", 0),
+                meta.get("dropped_stale", 0),
+                meta.get("dropped_empty", 0),
+                dict(meta.get("staleness_hist", {})),
             )
         base = base_server(self.run)
         if base.latest_version() is None:
@@ -131,27 +505,34 @@ class Trainer:
                 f"run {self.run.url} has no base model and no checkpoint; run the SFT "
                 f"bootstrap first: `rlax sft --run {self.run.url}`"
             )
-        params = self._base_params()
+        params, opt_state = self.learner.init_state(self._base_params())
         self.log(f"[trainer] starting from the base model ({base.store.url})")
-        return TrainerState(params, self.tx.init(params))
+        return TrainerState(params, opt_state)
 
     def _base_params(self):
         base = base_server(self.run)
         snap = base.pull(base.latest_version())
-        return flat_to_params(self.fns, self._template[0], snap.tensors)
+        params = flat_to_params(self.learner.fns, self._template[0]["policy"], snap.tensors)
+        # Own buffers: arrays made from one (cached) snapshot may alias host memory, and the
+        # train state is donated to the step while the reference copy must stay alive.
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
 
     def _publish(self, state: TrainerState, epoch: int) -> None:
         version = state.step // self.cfg.trainer.publish_every
-        flat = params_to_flat(self.fns, state.params)
+        flat = params_to_flat(self.learner.fns, state.params["policy"])
         wrote = self.ps.publish(version, flat, epoch=epoch, metadata={"step": state.step})
         if wrote:
             self.log(f"[trainer] published v{version} (step {state.step})")
 
-    def _wait_for_batch(self, index: int) -> RolloutBatch | None:
+    def _wait_for_batch(self, index: int) -> RolloutBatch | str | None:
+        """The batch, "empty" for a batch without rows, or None when asked to stop."""
         waited = 0.0
         while not self._stop:
             if self.leases.batch_exists(index):
-                return from_parquet_bytes(self.leases.read_batch(index))
+                data = self.leases.read_batch(index)
+                if pq.read_metadata(io.BytesIO(data)).num_rows == 0:
+                    return "empty"
+                return from_parquet_bytes(data)
             time.sleep(self.cfg.rollout.poll_seconds)
             waited += self.cfg.rollout.poll_seconds
             if waited >= 60 and int(waited) % 60 == 0:
@@ -161,26 +542,36 @@ class Trainer:
                 )
         return None
 
-    def _arrays(self, batch: RolloutBatch):
-        tokens, mask, comp_mask = pack_rows(
-            batch.prompt_ids,
-            batch.completion_ids,
-            self.prompt_len,
-            self.completion_len,
-            self.pad_id,
-        )
-        logp_b = pad_values(batch.behaviour_logprobs, self.completion_len)
-        return tokens, mask, comp_mask, logp_b, batch.reward.astype(np.float32)
-
     def request_stop(self, *_: Any) -> None:
         self._stop = True
+
+    def _drop(self, state: TrainerState, reason: str, record: dict[str, Any]) -> None:
+        state.dropped += 1
+        if reason == "stale":
+            state.dropped_stale += 1
+        else:
+            state.dropped_empty += 1
+        self.run.log_metrics("dropped", state.next_batch, {"reason": reason, **record})
+        state.next_batch += 1
+
+    def _dynamic_sampling_stats(self, batch: RolloutBatch) -> dict[str, Any]:
+        """Groups kept / dropped by dynamic sampling, from the candidate slots in prompt_pos."""
+        tc, p = self.cfg.trainer, self.cfg.rollout.prompts_per_batch
+        groups = len(batch) // self.cfg.rollout.group_size
+        if not tc.uses_dynamic_sampling():
+            return {"groups": groups}
+        # Filled: every candidate slot up to the last kept one was seen; else the bound
+        # was hit and all rounds * P candidates were seen.
+        full = groups == p
+        seen = int(np.max(batch.prompt_pos)) + 1 if full else tc.dynamic_sampling_rounds * p
+        return {"groups": groups, "ds_candidates": seen, "ds_dropped_groups": seen - groups}
 
     def train(self) -> TrainerState:
         tc = self.cfg.trainer
         epoch = self.ps.acquire_epoch()
         self.log(f"[trainer] epoch {epoch}")
         state = self.restore_or_init()
-        if tc.kl_coef > 0:
+        if self.learner.needs_ref:
             self.ref_params = self._base_params()
         if state.step % tc.publish_every == 0:
             self._publish(state, epoch)  # v0, or a re-publish a crash may have missed
@@ -190,33 +581,43 @@ class Trainer:
             if batch is None:
                 break
             t_wait = time.time() - t0
+            if isinstance(batch, str):
+                self.log(
+                    f"[trainer] dropped batch {state.next_batch}: dynamic sampling found no "
+                    f"group with unequal rewards"
+                )
+                self._drop(state, "empty", {})
+                continue
             version = state.step // tc.publish_every
             staleness = version - batch.policy_version
+            key = str(staleness)
+            state.staleness_hist[key] = state.staleness_hist.get(key, 0) + 1
             if staleness > tc.max_staleness:
-                state.dropped += 1
                 self.log(
                     f"[trainer] dropped batch {state.next_batch}: version {batch.policy_version}"
                     f" is {staleness} versions old (max_staleness={tc.max_staleness})"
                 )
-                self.run.log_metrics("dropped", state.next_batch, {"staleness": staleness})
-                state.next_batch += 1
+                self._drop(state, "stale", {"staleness": staleness})
                 continue
-            arrays = self._arrays(batch)
-            state.params, state.opt_state, metrics = self._step_fn(
-                state.params, state.opt_state, self.ref_params, *arrays
+            inputs = self.learner.inputs(batch, self.pad_id)
+            state.params, state.opt_state, metrics = self.learner.step(
+                state.params, state.opt_state, self.ref_params, inputs
             )
-            metrics = {k: float(v) for k, v in metrics.items()}
             state.step += 1
             state.next_batch += 1
             record = {
                 **metrics,
+                **self._dynamic_sampling_stats(batch),
                 "step": state.step,
                 "batch_index": batch.batch_index,
                 "reward_mean": float(batch.reward.mean()),
                 "completion_tokens_mean": batch.num_tokens() / len(batch),
                 "staleness": staleness,
+                "staleness_hist": dict(state.staleness_hist),
                 "policy_version": batch.policy_version,
                 "dropped_total": state.dropped,
+                "dropped_stale": state.dropped_stale,
+                "dropped_empty": state.dropped_empty,
                 "wait_s": t_wait,
                 "step_s": time.time() - t0,
             }
@@ -224,6 +625,7 @@ class Trainer:
             self.log(
                 f"[trainer] step {state.step}/{tc.steps} reward {record['reward_mean']:.3f} "
                 f"loss {metrics['loss']:+.4f} |dlogp| {metrics['logprob_absdiff_mean']:.1e} "
+                f"clip {metrics.get('clip_frac', 0.0):.3f} staleness {staleness} "
                 f"wait {t_wait:.1f}s step {record['step_s']:.1f}s"
             )
             if state.step % tc.publish_every == 0:
@@ -243,6 +645,8 @@ class Trainer:
                 "step": state.step,
                 "version": state.step // tc.publish_every,
                 "dropped": state.dropped,
+                "dropped_stale": state.dropped_stale,
+                "dropped_empty": state.dropped_empty,
             }
             self.run.store.write_new(DONE_KEY, json.dumps(final).encode())
             self.log(f"[trainer] done: {final}")
@@ -253,6 +657,9 @@ class Trainer:
             "step": state.step,
             "next_batch": state.next_batch,
             "dropped": state.dropped,
+            "dropped_stale": state.dropped_stale,
+            "dropped_empty": state.dropped_empty,
+            "staleness_hist": dict(state.staleness_hist),
             "epoch": epoch,
             "config_digest": self.cfg.digest(),
         }

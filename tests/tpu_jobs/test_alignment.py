@@ -1,0 +1,106 @@
+"""Numerical alignment of the sampler and the trainer.
+
+The rollout worker stores the sampler's log-probs of the sampled tokens; the trainer
+recomputes them with a full forward pass. In float32 the two agree to float32 rounding
+noise, and the trainer's own ratio pi_theta / pi_old (pi_old = its recomputation) is
+exactly 1 on-policy. With a bfloat16 sampler they drift apart; anchoring the ratio at the
+sampler's log-probs then turns the drift into spurious ratios != 1 (and clipping), while
+the recomputed anchor keeps the ratio at 1 and moves the mismatch into the (truncated)
+importance weight pi_old / pi_behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tests.runs import clone_run
+from tpu_jobs.model import load_flat_params
+from tpu_jobs.rollout_worker import RolloutWorker
+from tpu_jobs.sft import base_server
+from tpu_jobs.trainer import Learner, Trainer
+
+
+def _with(cfg, section, **changes):
+    return replace(cfg, **{section: replace(getattr(cfg, section), **changes)})
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_base, tmp_path_factory):
+    """The base model's batch 0 sampled in float32 and in bfloat16, and a trainer."""
+    cfg = _with(tiny_base.config, "trainer", algorithm="grpo", kl_coef=0.0)
+    run = clone_run(tiny_base, str(tmp_path_factory.mktemp("align") / "run"), cfg)
+    trainer = Trainer(run, log=lambda m: None, fused=False)
+    worker = RolloutWorker(run, "w0", log=lambda m: None)
+    load_flat_params(worker.model, base_server(run).pull(0).tensors)
+    batches = {}
+    for dtype in ("float32", "bfloat16"):
+        worker.cfg = _with(cfg, "sampler", dtype=dtype)
+        batches[dtype] = worker.generate_batch(0, 0)
+    return trainer, batches
+
+
+def _step(trainer, batch, **changes):
+    cfg = _with(trainer.cfg, "trainer", **changes)
+    learner = Learner(cfg, trainer.prompt_len, fused=False)  # shared compiled programs
+    params, opt = learner.init_state(trainer._base_params())
+    inputs = learner.inputs(batch)
+    logp = np.asarray(learner.programs.forward(params, inputs.tokens, inputs.mask)[0])
+    _, _, metrics = learner.step(params, opt, None, inputs)
+    return inputs, logp, metrics
+
+
+def test_float32_on_policy_ratio_is_one(setup):
+    trainer, batches = setup
+    inputs, logp, m = _step(trainer, batches["float32"])
+    real = inputs.comp_mask > 0
+    ratio = np.exp(logp - inputs.logp_behaviour)[real]
+    # The importance ratio pi_trainer / pi_sampler of the real sampler's tokens: 1 within
+    # 1e-6 on average, and per token within float32 kernel-order noise (decode with a KV
+    # cache vs one full forward; measured max ~1e-5 on this model).
+    assert abs(ratio.mean() - 1.0) < 1e-6
+    assert np.abs(ratio - 1.0).max() < 1e-4
+    assert m["logprob_absdiff_mean"] < 1e-6
+    assert abs(m["is_ratio_mean"] - 1.0) < 1e-6
+    # The trainer's own ratio pi_theta / pi_old: exactly 1 on every token.
+    assert m["ratio_mean"] == m["ratio_max"] == m["ratio_min"] == 1.0
+    assert m["clip_frac"] == 0.0 and m["approx_kl"] == 0.0
+
+
+def test_bfloat16_sampler_drift_and_the_recomputed_anchor(setup):
+    trainer, batches = setup
+    # Same tokens scored three ways: bf16 sampler drift, ratios anchored at the sampler's
+    # log-probs, ratios anchored at the trainer's recomputation (+ TIS).
+    inputs, logp, behaviour = _step(
+        trainer, batches["bfloat16"], old_logprobs="behaviour", clip_eps=0.2
+    )
+    _, _, recompute = _step(trainer, batches["bfloat16"], is_correction="tis", is_cap=2.0)
+    real = inputs.comp_mask > 0
+    drift = np.abs(logp - inputs.logp_behaviour)[real]
+    assert drift.max() > 1e-3  # bf16 sampling is visibly off
+    assert drift.mean() > 30 * 1e-6  # far above the float32 agreement above
+    assert behaviour["logprob_absdiff_max"] == pytest.approx(drift.max(), rel=1e-5)
+    # Anchored at the sampler: the "on-policy" ratio is not 1.
+    assert behaviour["ratio_max"] > 1.0 + 1e-3 and behaviour["ratio_min"] < 1.0 - 1e-3
+    # Anchored at the recomputation: exactly 1, nothing clipped; the mismatch is in the
+    # IS weight, which is logged.
+    assert recompute["ratio_mean"] == recompute["ratio_max"] == recompute["ratio_min"] == 1.0
+    assert recompute["clip_frac"] == 0.0
+    assert recompute["is_ratio_max"] > 1.0 + 1e-3
+    assert recompute["is_weight_mean"] == pytest.approx(behaviour["is_ratio_mean"], abs=0.05)
+
+
+def test_tiny_clip_ranges_are_swamped_by_bf16_drift(setup):
+    """GSPO's 3e-4 / 4e-4 clip range is below the bf16 drift: anchored at the sampler,
+    sequences are clipped before any update; anchored at the recomputation, none are."""
+    trainer, batches = setup
+    _, _, behaviour = _step(
+        trainer, batches["bfloat16"], algorithm="gspo", old_logprobs="behaviour"
+    )
+    _, _, recompute = _step(trainer, batches["bfloat16"], algorithm="gspo")
+    _, _, f32 = _step(trainer, batches["float32"], algorithm="gspo", old_logprobs="behaviour")
+    assert behaviour["clip_frac"] > 0.05
+    assert recompute["clip_frac"] == 0.0
+    assert f32["clip_frac"] == 0.0  # float32 sampling stays inside even that range

@@ -1,0 +1,490 @@
+"""The trainer's algorithm suite: config wiring, one real step per preset, the value head,
+finite-difference gradients through the tiny model, staleness and empty-batch drops, and
+DAPO's dynamic sampling on the rollout side.
+
+Compiled work is shared: the model's forward/backward programs are cached per model and
+shape (`trainer.model_programs`), so each extra algorithm compiles only its loss head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pipeline import config as C
+from pipeline.leases import BatchLeases
+from pipeline.rollouts import RolloutBatch, from_parquet_bytes, to_parquet_bytes
+from pipeline.run import DONE_KEY
+from pipeline.tasks import get_task
+from tests.runs import clone_run
+from tpu_jobs import losses as L
+from tpu_jobs import rollout_worker as rw
+from tpu_jobs.model import init_model, load_flat_params, positions_from_mask, sequence_logprobs
+from tpu_jobs.sft import base_server
+from tpu_jobs.state import split_model
+from tpu_jobs.trainer import Learner, Trainer
+from tpu_jobs.value_head import hidden_states, init_value_head, lm_logits, policy_forward
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def with_trainer(cfg: C.RunConfig, **changes) -> C.RunConfig:
+    return replace(cfg, trainer=replace(cfg.trainer, **changes))
+
+
+# --------------------------------------------------------------------------------------
+# Config wiring (no jax work)
+# --------------------------------------------------------------------------------------
+
+
+def test_config_names_match_the_loss_registries():
+    """pipeline/config.py keeps plain tuples (no jax import): they must equal the registries."""
+    assert tuple(L.ALGORITHMS) == C.ALGORITHMS
+    assert tuple(L.ADVANTAGES) == C.ADVANTAGE_NAMES
+    assert tuple(L.POLICY_LOSSES) == C.POLICY_LOSS_NAMES
+    assert tuple(L.AGGREGATIONS) == C.AGGREGATION_NAMES
+    assert tuple(L.KL_ESTIMATORS) == C.KL_ESTIMATOR_NAMES
+    assert tuple(L.VALUE_LOSSES) == C.VALUE_LOSS_NAMES
+    assert tuple(L.IS_CORRECTIONS) == C.IS_CORRECTION_NAMES
+    spec_fields = {f.name for f in dataclasses.fields(L.LossSpec)}
+    assert set(C.LOSS_FIELDS) == spec_fields
+    trainer_fields = {f.name: f for f in dataclasses.fields(C.TrainerConfig)}
+    for name in C.LOSS_FIELDS:
+        assert trainer_fields[name].default is None, name  # None = the preset's value
+
+
+@pytest.mark.parametrize("alg", C.ALGORITHMS)
+def test_default_trainer_config_is_exactly_the_preset(alg):
+    tc = C.TrainerConfig(algorithm=alg)
+    assert L.loss_spec(alg, **tc.loss_overrides()) == L.ALGORITHMS[alg]
+
+
+@pytest.mark.parametrize("alg", C.ALGORITHMS)
+def test_algorithm_config_files_spell_out_their_preset(alg):
+    cfg = C.load_config(ROOT / "configs" / "algorithms" / f"{alg}.yaml")
+    assert cfg.trainer.algorithm == alg
+    spec = L.loss_spec(alg, **cfg.trainer.loss_overrides())
+    # The files only add the off-policy correction (TIS, C = 2) to the preset.
+    assert spec == L.ALGORITHMS[alg].replace(is_correction="tis", is_cap=2.0)
+    assert cfg.trainer.uses_dynamic_sampling() == (alg == "dapo")
+
+
+def test_overrides_and_sentinels():
+    gspo = C.load_config(None, ["trainer.algorithm=gspo", "trainer.kl_coef=1e-3"]).trainer
+    spec = L.loss_spec("gspo", **gspo.loss_overrides())
+    assert (spec.eps_low, spec.eps_high) == (3e-4, 4e-4)  # not overwritten by a default
+    assert spec.kl_coef == pytest.approx(1e-3) and isinstance(gspo.kl_coef, float)
+    tc = C.TrainerConfig(algorithm="grpo", clip_eps=0.1, eps_high=0.3, kl_estimator="k2")
+    spec = L.loss_spec("grpo", **tc.loss_overrides())
+    assert (spec.eps_low, spec.eps_high, spec.kl_estimator) == (0.1, 0.3, "k2")
+    assert C.TrainerConfig(algorithm="dapo").uses_dynamic_sampling()
+    assert not C.TrainerConfig(algorithm="grpo").uses_dynamic_sampling()
+    assert C.TrainerConfig(algorithm="dapo").overlong_cache(64) == 13  # 0.2 * L_max
+    assert C.TrainerConfig(algorithm="dapo", overlong_buffer=0).overlong_cache(64) == 0
+    assert C.TrainerConfig(algorithm="grpo", dynamic_sampling=True).uses_dynamic_sampling()
+    for override, words in (
+        ("trainer.algorithm=ppo2", ["trainer.algorithm", "'cispo'"]),
+        ("trainer.advantage=vtrace", ["trainer.advantage", "'gae'"]),
+        ("trainer.kl_estimator=k4", ["trainer.kl_estimator", "'k3'"]),
+        ("trainer.is_correction=ratio", ["trainer.is_correction", "'tis'"]),
+        ("trainer.old_logprobs=sampler", ["trainer.old_logprobs", "'behaviour'"]),
+        ("trainer.eps_low=1.5", ["trainer.eps_low", "[0, 1]"]),
+        ("trainer.gamma=fast", ["trainer.gamma", "float"]),
+    ):
+        with pytest.raises(C.ConfigError) as err:
+            C.load_config(None, [override])
+        for w in words:
+            assert w in str(err.value), (override, str(err.value))
+
+
+# --------------------------------------------------------------------------------------
+# Value head and forward pass
+# --------------------------------------------------------------------------------------
+
+
+def test_hidden_state_path_reproduces_the_model_exactly():
+    cfg = C.ModelConfig(preset="tiny")
+    model = init_model(cfg, 1)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(4, cfg.vocab_size, (3, 12)), jnp.int32)
+    mask = np.ones((3, 12), np.int32)
+    mask[0, :4] = 0  # left padding
+    mask[1, 9:] = 0  # right padding
+    mask = jnp.asarray(mask)
+    logits, _ = model(tokens, positions_from_mask(mask), mask)
+    again = lm_logits(model, hidden_states(model, tokens, mask))
+    assert np.array_equal(np.asarray(logits), np.asarray(again))
+    value = init_value_head(cfg.hidden_size)
+    value = {"kernel": value["kernel"] + 0.1, "bias": value["bias"] + 0.5}
+    out = policy_forward(model, tokens, mask, 0.7, value, entropy=True)
+    ref = sequence_logprobs(model, tokens, mask, 0.7)
+    assert np.array_equal(np.asarray(out.logp), np.asarray(ref))
+    # Values and entropy of token t come from the prefix ending at t - 1.
+    h = np.asarray(hidden_states(model, tokens, mask))
+    np.testing.assert_allclose(
+        np.asarray(out.values)[2, 5], h[2, 4] @ np.full(cfg.hidden_size, 0.1) + 0.5, rtol=1e-5
+    )
+    p = jax.nn.softmax(np.asarray(logits)[2, 4] / 0.7)
+    np.testing.assert_allclose(np.asarray(out.entropy)[2, 5], -(p * np.log(p)).sum(), rtol=1e-5)
+    assert np.all(np.asarray(out.values)[mask == 0] == 0)
+    assert np.all(np.asarray(out.values)[:, 0] == 0)
+
+
+# --------------------------------------------------------------------------------------
+# Gradients through the tiny model vs finite differences (float32: directional checks)
+# --------------------------------------------------------------------------------------
+
+
+def _directional_check(f, params, seeds=(0, 1, 2), h=1e-3):
+    value_and_grad = jax.jit(jax.value_and_grad(f))  # one compiled program for both
+    grad = value_and_grad(params)[1]
+
+    def f_jit(x):
+        return value_and_grad(x)[0]
+
+    leaves, treedef = jax.tree.flatten(params)
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        vs = [rng.normal(size=x.shape).astype(np.float32) for x in leaves]
+        norm = np.sqrt(sum(float((v * v).sum()) for v in vs))
+        v = jax.tree.unflatten(treedef, [jnp.asarray(x / norm) for x in vs])
+
+        def at(s, v=v):
+            return float(f_jit(jax.tree.map(lambda w, dw: w + s * dw, params, v)))
+
+        fd = (at(h) - at(-h)) / (2 * h)
+        pairs = zip(jax.tree.leaves(grad), jax.tree.leaves(v), strict=True)
+        ad = sum(float(jnp.vdot(g, d)) for g, d in pairs)
+        assert abs(fd - ad) <= 2e-3 * max(abs(ad), 0.05), (seed, fd, ad)
+
+
+def _model_batch(cfg: C.ModelConfig):
+    rng = np.random.default_rng(3)
+    b, p, c = 6, 5, 7
+    tokens = rng.integers(4, cfg.vocab_size, (b, p + c)).astype(np.int32)
+    mask = np.ones((b, p + c), np.int32)
+    mask[0, :2] = 0
+    mask[1, p + 4 :] = 0
+    mask[5, p:] = 0  # an empty completion
+    comp = mask[:, p:].astype(np.float32)
+    return jnp.asarray(tokens), jnp.asarray(mask), comp, p
+
+
+@pytest.mark.parametrize("alg", ["grpo", "ppo"])
+def test_loss_gradient_through_tiny_model_matches_finite_differences(alg):
+    cfg = C.ModelConfig(preset="tiny")
+    fns, params = split_model(init_model(cfg, 2))
+    tokens, mask, comp, p = _model_batch(cfg)
+    logp0 = np.asarray(sequence_logprobs(fns.merge(params), tokens, mask))[:, p:]
+    # pi_old away from pi so some tokens sit far beyond both clip bounds (0.8 / 1.2) and
+    # the rest well inside: the finite-difference steps cross no kink.
+    shift = np.random.default_rng(4).choice([-1.0, -0.05, 0.0, 0.05, 1.0], logp0.shape)
+    logp_old = jnp.asarray((logp0 + shift) * comp, jnp.float32)
+    rewards = jnp.asarray([1.0, 0.0, 0.0, 1.0, 1.0, 0.0], jnp.float32)
+    logp_ref = jnp.asarray(logp0 - 0.1 * comp, jnp.float32)
+    spec = L.ALGORITHMS[alg].replace(kl_coef=0.05)
+    if alg == "grpo":
+
+        def f(prm):
+            logp = sequence_logprobs(fns.merge(prm), tokens, mask)[:, p:]
+            return L.compute_loss(
+                spec, logp, logp_old, comp, rewards=rewards, group_size=3, logp_ref=logp_ref
+            )[0]
+
+        train = params
+    else:
+        value0 = {"kernel": jnp.full((cfg.hidden_size, 1), 0.05), "bias": jnp.zeros(1)}
+        old_values = policy_forward(fns.merge(params), tokens, mask, 1.0, value0).values[:, p:]
+
+        def f(prm):
+            out = policy_forward(fns.merge(prm["policy"]), tokens, mask, 1.0, prm["value"])
+            return L.compute_loss(
+                spec,
+                out.logp[:, p:],
+                logp_old,
+                comp,
+                rewards=rewards,
+                logp_ref=logp_ref,
+                values=out.values[:, p:],
+                old_values=old_values,
+            )[0]
+
+        train = {"policy": params, "value": value0}
+    _, metrics = L.compute_loss(
+        spec.replace(vf_coef=0.0, advantage="grpo", kl_coef=0.0),
+        jnp.asarray(logp0),
+        logp_old,
+        comp,
+        rewards=rewards,
+        group_size=3,
+    )
+    assert float(metrics["clip_frac"]) > 0  # clipped tokens are part of the check
+    _directional_check(f, train)
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo_clip", "gspo", "cispo", "reinforce"])
+def test_extreme_ratios_hit_both_clip_bounds_and_stay_finite(policy_loss):
+    # log-ratios of +-40 (beyond MAX_LOG_RATIO) with both advantage signs.
+    lo = np.zeros((4, 3), np.float32)
+    lp = np.array([[40, 40, 40], [-40, -40, -40], [40, 40, 40], [-40, -40, -40]], np.float32)
+    adv = np.array([1.0, -1.0, -1.0, 1.0], np.float32)
+    mask = np.ones((4, 3), np.float32)
+    spec = L.LossSpec(policy_loss=policy_loss, aggregation="token_mean")
+    (loss, m), g = jax.value_and_grad(
+        lambda x: L.compute_loss(spec, x, lo, mask, advantages=adv), has_aux=True
+    )(jnp.asarray(lp))
+    assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(g)))
+    assert all(np.isfinite(float(v)) for v in m.values())
+    if policy_loss in ("ppo_clip", "gspo"):
+        assert float(m["clip_frac_high"]) == pytest.approx(0.25)  # row 0: r >> 1, A > 0
+        assert float(m["clip_frac_low"]) == pytest.approx(0.25)  # row 1: r << 1, A < 0
+        assert np.all(np.asarray(g)[:2] == 0.0)  # clipped: no gradient
+
+
+# --------------------------------------------------------------------------------------
+# Real batches from the SFT'd tiny base
+# --------------------------------------------------------------------------------------
+
+
+def _worker_at_base(run, worker_id="w0"):
+    worker = rw.RolloutWorker(run, worker_id, log=lambda m: None)
+    snap = base_server(run).pull(base_server(run).latest_version())
+    load_flat_params(worker.model, snap.tensors)
+    worker.version = 0
+    return worker
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tiny_base, tmp_path_factory):
+    cfg = with_trainer(tiny_base.config, algorithm="grpo", steps=2, max_staleness=0)
+    return clone_run(tiny_base, str(tmp_path_factory.mktemp("grpo") / "run"), cfg)
+
+
+@pytest.fixture(scope="module")
+def worker(grpo_run):
+    """The real rollout worker holding the base model (version 0)."""
+    return _worker_at_base(grpo_run)
+
+
+@pytest.fixture(scope="module")
+def real_batch(worker):
+    """Batch 0 of the tiny run, sampled from the base model by the real worker."""
+    batch = worker.generate_batch(0, 0)
+    assert 0.0 < batch.reward.mean() < 1.0
+    return batch
+
+
+@pytest.fixture(scope="module")
+def trainer(grpo_run):
+    return Trainer(grpo_run, log=lambda m: None, fused=False)
+
+
+def _finite(metrics):
+    bad = {k: v for k, v in metrics.items() if not np.isfinite(v)}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("alg", C.ALGORITHMS)
+def test_every_algorithm_takes_a_real_step(alg, grpo_run, trainer, real_batch):
+    cfg = with_trainer(grpo_run.config, algorithm=alg)
+    learner = Learner(cfg, trainer.prompt_len, fused=False)  # shares compiled programs
+    params, opt_state = learner.init_state(trainer._base_params())
+    before = jax.tree.map(np.asarray, params)
+    ref = trainer._base_params() if learner.needs_ref else None
+    inputs = learner.inputs(real_batch)
+    params, opt_state, metrics = learner.step(params, opt_state, ref, inputs)
+    _finite(metrics)
+    assert metrics["grad_norm"] > 0
+    assert metrics["ratio_mean"] == 1.0  # pi_old = the params at the start of the step
+    assert metrics["logprob_absdiff_max"] < 1e-4  # float32 sampler vs trainer
+    changed = jax.tree.map(lambda a, b: bool(np.any(a != np.asarray(b))), before, params)
+    assert any(jax.tree.leaves(changed["policy"]))
+    assert ("value" in params) == (alg == "ppo")
+    if alg == "ppo":
+        assert params["value"]["kernel"].shape == (cfg.model.hidden_size, 1)
+        assert any(jax.tree.leaves(changed["value"]))
+        assert "vf_loss" in metrics and "explained_variance" in metrics
+    if learner.needs_ref:
+        assert "kl_ref" in metrics
+
+
+def test_micro_batches_and_several_updates_per_batch(grpo_run, trainer, real_batch):
+    """Gradient accumulation equals the whole batch's gradient; with several updates per
+    batch the later ones see ratios != 1 (the clip becomes active)."""
+    cfg = grpo_run.config
+    whole = Learner(with_trainer(cfg, algorithm="grpo"), trainer.prompt_len, fused=False)
+    micro = Learner(with_trainer(cfg, algorithm="grpo", micro_batch=4), trainer.prompt_len)
+    base = trainer._base_params()
+    ref = trainer._base_params()
+    out = []
+    for learner in (whole, micro):
+        params, opt = learner.init_state(jax.tree.map(jnp.copy, base))
+        p, _, m = learner.step(params, opt, ref, learner.inputs(real_batch))
+        out.append((jax.tree.map(np.asarray, p), m))
+    (pa, ma), (pb, mb) = out
+    assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5)
+    assert mb["loss"] == pytest.approx(ma["loss"], rel=1e-4, abs=1e-7)
+    for a, b in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    several = Learner(
+        with_trainer(cfg, algorithm="grpo", mini_batches=2, epochs=2, micro_batch=4, lr=3e-3),
+        trainer.prompt_len,
+    )
+    params, opt = several.init_state(jax.tree.map(jnp.copy, base))
+    _, _, m = several.step(params, opt, ref, several.inputs(real_batch))
+    _finite(m)
+    assert m["updates"] == 4
+    assert m["ratio_max_last_update"] > 1.0 or m["ratio_min_last_update"] < 1.0
+
+
+def test_fused_step_equals_the_shared_programs(grpo_run, trainer, real_batch):
+    """The trainer's one-program step and the chained shared programs agree (PPO: value
+    head, GAE, clipped value loss)."""
+    cfg = with_trainer(grpo_run.config, algorithm="ppo")
+    out = []
+    for fused in (True, False):
+        learner = Learner(cfg, trainer.prompt_len, fused=fused)
+        assert learner.fused == fused
+        params, opt = learner.init_state(trainer._base_params())
+        p, _, m = learner.step(params, opt, None, learner.inputs(real_batch))
+        out.append((jax.tree.map(np.asarray, p), m))
+    (pa, ma), (pb, mb) = out
+    assert set(ma) == set(mb)
+    for key in ("loss", "pg_loss", "vf_loss", "grad_norm", "adv_std"):
+        assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_value_head_is_checkpointed(tiny_base, tmp_path):
+    cfg = with_trainer(tiny_base.config, algorithm="ppo")
+    run = clone_run(tiny_base, str(tmp_path / "run"), cfg)
+    t = Trainer(run, log=lambda m: None)
+    state = t.restore_or_init()
+    state.params["value"] = {"kernel": state.params["value"]["kernel"] + 0.25, "bias": jnp.ones(1)}
+    t.ckpt.save(1, (state.params, state.opt_state), t._meta(state, 1))
+    t.ckpt.wait()
+    (params, _), meta = t.ckpt.restore_latest(t._template)
+    assert meta["step"] == 0
+    np.testing.assert_array_equal(params["value"]["kernel"], state.params["value"]["kernel"])
+    np.testing.assert_array_equal(params["value"]["bias"], [1.0])
+
+
+# --------------------------------------------------------------------------------------
+# Off-policy bookkeeping: a too-old batch and an empty batch are dropped and counted
+# --------------------------------------------------------------------------------------
+
+
+def _relabel(batch: RolloutBatch, index: int, version: int) -> RolloutBatch:
+    return replace(batch, batch_index=index, policy_version=version)
+
+
+def test_stale_and_empty_batches_are_dropped_and_counted(grpo_run, real_batch, tmp_path):
+    run = clone_run(grpo_run, str(tmp_path / "run"))  # max_staleness=0, steps=2
+    leases = BatchLeases(run.store, ttl_seconds=30)
+    empty = RolloutBatch(
+        batch_index=2,
+        prompt_pos=np.zeros(0, np.int32),
+        prompt_id=[],
+        task=[],
+        sample_index=np.zeros(0, np.int32),
+        prompt_ids=[],
+        completion_ids=[],
+        behaviour_logprobs=[],
+        completion=[],
+        finished=np.zeros(0, bool),
+        reward=np.zeros(0, np.float32),
+        policy_version=1,
+        worker_id="w0",
+    )
+    leases.commit_batch(0, to_parquet_bytes(_relabel(real_batch, 0, 0)))
+    leases.commit_batch(1, to_parquet_bytes(_relabel(real_batch, 1, 0)))  # 1 version old
+    leases.commit_batch(2, to_parquet_bytes(empty))
+    leases.commit_batch(3, to_parquet_bytes(_relabel(real_batch, 3, 1)))
+    state = Trainer(run, log=lambda m: None, fused=False).train()
+    assert (state.step, state.next_batch) == (2, 4)
+    assert (state.dropped, state.dropped_stale, state.dropped_empty) == (2, 1, 1)
+    dropped = sorted(run.read_metrics("dropped"), key=lambda r: r["index"])
+    assert [(r["index"], r["reason"]) for r in dropped] == [(1, "stale"), (2, "empty")]
+    assert dropped[0]["staleness"] == 1
+    train = sorted(run.read_metrics("train"), key=lambda r: r["step"])
+    assert [r["batch_index"] for r in train] == [0, 3]
+    assert [r["staleness"] for r in train] == [0, 0]
+    assert train[-1]["staleness_hist"] == {"0": 2, "1": 1}
+    assert train[-1]["dropped_total"] == 2 and train[-1]["dropped_stale"] == 1
+    for name in ("is_ratio_mean", "is_ratio_max", "clip_frac", "logprob_absdiff_max"):
+        assert name in train[-1]
+    done = json.loads(run.store.read(DONE_KEY))
+    assert done["dropped"] == 2 and done["dropped_stale"] == 1 and done["dropped_empty"] == 1
+
+
+# --------------------------------------------------------------------------------------
+# DAPO dynamic sampling and overlong shaping (rollout side)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dapo_worker(worker, monkeypatch):
+    """The same worker (and compiled sampler) running the DAPO preset."""
+    monkeypatch.setattr(worker, "cfg", with_trainer(worker.cfg, algorithm="dapo"))
+    return worker
+
+
+def test_dapo_dynamic_sampling_never_yields_a_constant_group(dapo_worker):
+    cfg = dapo_worker.cfg
+    g, p = cfg.rollout.group_size, cfg.rollout.prompts_per_batch
+    rounds = cfg.trainer.dynamic_sampling_rounds
+    cache = cfg.trainer.overlong_cache(cfg.sampler.max_new_tokens)
+    assert cache > 0
+    worker = dapo_worker
+    problems = {q.problem_id: q for q in worker.problems}
+    dropped_somewhere = False
+    for index in range(2):
+        batch = worker.generate_batch(index, 0)
+        stats = dict(worker.last_stats)
+        n_groups = len(batch) // g
+        assert len(batch) % g == 0 and 0 < n_groups <= p
+        assert np.all(L.filter_constant_groups(batch.reward, g))  # no constant group
+        slots = batch.prompt_pos.reshape(n_groups, g)
+        assert np.all(slots == slots[:, :1]) and np.all(np.diff(slots[:, 0]) > 0)
+        assert slots.max() < rounds * p
+        assert stats["ds_kept"] == n_groups
+        dropped_somewhere |= stats["ds_candidates"] > n_groups
+        # Rewards = verifier + DAPO's soft overlong penalty (by completion length).
+        for i in range(len(batch)):
+            q = problems[batch.prompt_id[i]]
+            want = get_task(q.task).verify(q, batch.completion[i]) + L.overlong_penalty(
+                np.array([len(batch.completion_ids[i])]), cfg.sampler.max_new_tokens, cache
+            )
+            assert batch.reward[i] == pytest.approx(float(want[0]), abs=1e-6)
+    assert dropped_somewhere  # the base model does produce all-wrong / all-right groups
+    # Deterministic: the batch depends on nothing but (seed, index, slot, sample, version).
+    again = worker.generate_batch(1, 0)
+    assert again.completion_ids == batch.completion_ids
+    np.testing.assert_array_equal(again.reward, batch.reward)
+
+
+def test_dapo_bound_gives_an_empty_batch_when_every_group_is_constant(dapo_worker, monkeypatch):
+    cfg = with_trainer(dapo_worker.cfg, overlong_buffer=0, dynamic_sampling_rounds=2)
+
+    class AlwaysWrong:
+        @staticmethod
+        def verify(problem, text):
+            return 0.0
+
+    monkeypatch.setattr(rw, "get_task", lambda name: AlwaysWrong)
+    monkeypatch.setattr(dapo_worker, "cfg", cfg)
+    worker = dapo_worker
+    batch = worker.generate_batch(0, 0)
+    assert len(batch) == 0
+    assert worker.last_stats == {"ds_candidates": 8, "ds_kept": 0, "ds_rounds": 2}
+    data = to_parquet_bytes(batch)  # commit-able; the trainer drops it (tested above)
+    with pytest.raises(ValueError, match="empty"):
+        from_parquet_bytes(data)
