@@ -322,6 +322,9 @@ class TrainerConfig:
     publish_every: int = 1
     checkpoint_every: int = 10
     keep_checkpoints: int = 2  # Orbax retention: newest N
+    keep_versions: int = (
+        0  # weight versions: newest N + those in use (pipeline/retention.py); 0 = all
+    )
     max_staleness: int = 0  # versions; 0 = synchronous on-policy; older batches are dropped
     micro_batch: int = 0  # rows per gradient-accumulation pass; 0: whole mini-batch at once
 
@@ -381,6 +384,12 @@ class TrainerConfig:
         )
         _check(
             self.keep_checkpoints >= 1, "trainer.keep_checkpoints", self.keep_checkpoints, ">= 1"
+        )
+        _check(
+            self.keep_versions >= 0,
+            "trainer.keep_versions",
+            self.keep_versions,
+            ">= 0 (0 keeps every version)",
         )
         _check(self.max_staleness >= 0, "trainer.max_staleness", self.max_staleness, ">= 0")
         _check(self.micro_batch >= 0, "trainer.micro_batch", self.micro_batch, ">= 0")

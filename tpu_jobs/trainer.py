@@ -52,8 +52,10 @@ from pipeline import failpoints
 from pipeline.config import ModelConfig, RunConfig
 from pipeline.leases import BatchLeases
 from pipeline.paramserver import ParamServer, StaleEpochError
+from pipeline.retention import apply_retention
 from pipeline.rollouts import RolloutBatch, from_parquet_bytes
 from pipeline.run import DONE_KEY, Run
+from pipeline.storage import StorageError
 from pipeline.tokenizer import get_tokenizer
 from tpu_jobs import checkpoints
 from tpu_jobs.batching import pack_rows, pad_values, round_up
@@ -523,6 +525,28 @@ class Trainer:
         wrote = self.ps.publish(version, flat, epoch=epoch, metadata={"step": state.step})
         if wrote:
             self.log(f"[trainer] published v{version} (step {state.step})")
+        if self.cfg.trainer.keep_versions:
+            self._retain(state, epoch)
+
+    def _retain(self, state: TrainerState, epoch: int) -> None:
+        """Delete weight versions no reader needs; StaleEpochError propagates (exit 3)."""
+        tc = self.cfg.trainer
+        try:
+            result = apply_retention(
+                self.ps,
+                self.leases,
+                keep_last=tc.keep_versions,
+                next_batch=state.next_batch,
+                publish_every=tc.publish_every,
+                max_staleness=tc.max_staleness,
+                epoch=epoch,
+                clock_skew_s=min(30.0, self.cfg.rollout.lease_seconds),
+            )
+        except StorageError as err:  # housekeeping: the next publish retries it
+            self.log(f"[trainer] retention skipped: {err}")
+            return
+        if result.deleted:
+            self.log(f"[trainer] retention deleted v{result.deleted}, kept v{result.kept}")
 
     def _wait_for_batch(self, index: int) -> RolloutBatch | str | None:
         """The batch, "empty" for a batch without rows, or None when asked to stop."""
