@@ -7,6 +7,7 @@
     rlax rollout --run URL [--worker-id ID]                 one rollout worker (join any time)
     rlax eval   --run URL [--version all|latest|N] [--follow]
     rlax report --run URL
+    rlax import-hf PATH --run URL                          HF checkpoint -> the run's base
     rlax airflow [--port N]                                 serve a local Airflow (UI)
     rlax chaos  [--config FILE] [--kills 20] [--out FILE]   kill -9 at random, compare
 
@@ -105,6 +106,16 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_import_hf(args: argparse.Namespace) -> int:
+    """Publish a Hugging Face checkpoint as the base model (version 0 source) of a run."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "tpu_jobs.hf", "import", args.path, "--run", args.run]
+    if args.config:
+        cmd += ["--config", args.config]
+    return subprocess.call(cmd + list(args.overrides), env=launcher.job_env())
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from pipeline.report import build_report
     from pipeline.run import Run
@@ -167,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-interval", type=float, default=5.0, help="seconds between kills, max")
     p.add_argument("--out", help="write the report table (markdown) and JSON here")
     p.set_defaults(func=cmd_chaos)
+
+    p = sub.add_parser("import-hf", help="publish a Hugging Face checkpoint as a run's base")
+    p.add_argument("path", help="directory with config.json + *.safetensors (+ tokenizer.json)")
+    p.add_argument("--run", required=True)
+    with_config(p)
+    p.set_defaults(func=cmd_import_hf)
 
     p = sub.add_parser("report", help="write the markdown + PNG report of a run")
     p.add_argument("--run", required=True)
