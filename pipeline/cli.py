@@ -6,6 +6,7 @@
     rlax train  --run URL                                   the RL trainer
     rlax rollout --run URL [--worker-id ID]                 one rollout worker (join any time)
     rlax eval   --run URL [--version all|latest|N] [--follow]
+    rlax pass-rates --run URL --data GLOB --k 8 [--version V]  (for beam_jobs.curate)
     rlax report --run URL
     rlax import-hf PATH --run URL                          HF checkpoint -> the run's base
     rlax airflow [--port N]                                 serve a local Airflow (UI)
@@ -193,21 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
         ("sft", "SFT bootstrap of the base model"),
         ("train", "the RL trainer"),
         ("rollout", "a rollout worker"),
+        ("pass-rates", "per-problem pass rates of a snapshot (for curation)"),
         ("eval", "evaluate published versions"),
     ):
         p = sub.add_parser(role, help=help_)
         p.add_argument("--run", required=True)
-        p.add_argument(
-            "job_args",
-            nargs=argparse.REMAINDER,
-            help="passed to the job (e.g. --worker-id, --version all --follow)",
-        )
-        p.set_defaults(func=_job(role))
+        p.set_defaults(func=_job(role))  # other options (--version ...) go to the job
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Role commands hand the options they do not know (--version, --data, ...) to the job.
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command not in launcher.JOBS:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.job_args = rest
     try:
         return args.func(args)
     except ConfigError as err:

@@ -19,6 +19,7 @@ JOBS: dict[str, str] = {
     "train": "tpu_jobs.trainer",
     "rollout": "tpu_jobs.rollout_worker",
     "eval": "tpu_jobs.evaluator",
+    "pass-rates": "tpu_jobs.pass_rates",
 }
 
 
