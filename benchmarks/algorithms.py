@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pipeline.config import ALGORITHMS, RunConfig, load_config
+from pipeline.config import ALGORITHMS, RunConfig, TrainerConfig, load_config
 from pipeline.demo import write_data
 from pipeline.run import Run
 from pipeline.tokenizer import get_tokenizer
@@ -198,8 +198,9 @@ def alignment_study(base: Run, shared: Shared, args, log) -> dict[str, Any]:
         batches[dtype] = [worker.generate_batch(i, 0) for i in range(args.alignment_batches)]
 
     def learner(**changes) -> Learner:
-        c = replace(cfg, trainer=replace(cfg.trainer, **changes))
-        return Learner(c, trainer.prompt_len, fused=False)  # shared compiled programs
+        # A fresh trainer section: only the preset, the anchor and the IS correction.
+        tc = TrainerConfig(steps=args.steps, lr=args.lr, kl_coef=0.0, is_cap=2.0, **changes)
+        return Learner(replace(cfg, trainer=tc), trainer.prompt_len, fused=False)
 
     out: dict[str, Any] = {"drift": {}, "anchors": [], "grads": []}
     probe = learner(is_correction="none")
@@ -245,6 +246,9 @@ def alignment_study(base: Run, shared: Shared, args, log) -> dict[str, Any]:
                     "ratio_min": float(min(r["ratio_min"] for r in rows)),
                     "ratio_max": float(max(r["ratio_max"] for r in rows)),
                     "is_weight_mean": float(np.mean([r.get("is_weight_mean", 1.0) for r in rows])),
+                    "is_ratio_min": float(min(r["is_ratio_min"] for r in rows)),
+                    "is_ratio_max": float(max(r["is_ratio_max"] for r in rows)),
+                    "is_frac_over_cap": float(np.mean([r["is_ratio_frac_over_cap"] for r in rows])),
                 }
             )
     # Gradients on the bf16 samples vs the float32-consistent gradient of the same samples
@@ -382,15 +386,16 @@ def write_report(args, base: Run, results, align, align_train, seconds: float) -
             "min(pi_old / pi_sampler, 2).",
             "",
             "| algorithm (clip range) | sampler | pi_old | IS | clip fraction | ratio min | ratio "
-            "max | mean IS weight |",
-            "|---|---|---|---|---:|---:|---:|---:|",
+            "max | pi_old / pi_sampler min - max | mean IS weight |",
+            "|---|---|---|---|---:|---:|---:|---|---:|",
         ]
         eps = {"grpo": "0.2 / 0.2", "gspo": "3e-4 / 4e-4", "cispo": "IS weight <= 1.28"}
         for a in align["anchors"]:
             lines.append(
                 f"| {a['algorithm']} ({eps[a['algorithm']]}) | {a['sampler']} | {a['anchor']} | "
                 f"{a['is']} | {a['clip_frac']:.4f} | {a['ratio_min']:.4f} | "
-                f"{a['ratio_max']:.4f} | {a['is_weight_mean']:.4f} |"
+                f"{a['ratio_max']:.4f} | {a['is_ratio_min']:.3f} - {a['is_ratio_max']:.3f} | "
+                f"{a['is_weight_mean']:.4f} |"
             )
         lines += [
             "",
@@ -428,7 +433,12 @@ def write_report(args, base: Run, results, align, align_train, seconds: float) -
     (RESULTS / "algorithms.md").write_text("\n".join(lines))
     (RESULTS / "algorithms.json").write_text(
         json.dumps(
-            {"results": results, "alignment": align, "alignment_training": align_train},
+            {
+                "results": results,
+                "alignment": align,
+                "alignment_training": align_train,
+                "seconds": seconds,
+            },
             indent=1,
             default=str,
         )
@@ -485,13 +495,21 @@ def main() -> None:
     base = prepare_base(args, log)
     shared = Shared(base.config)
     names = list(ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
-    results = []
+    previous: dict[str, Any] = {}
+    if args.only_alignment and (RESULTS / "algorithms.json").exists():
+        previous = json.loads((RESULTS / "algorithms.json").read_text())  # keep those tables
+        for r in (previous.get("results") or []) + (previous.get("alignment_training") or []):
+            r["pass1"] = {int(v): p for v, p in r["pass1"].items()}  # JSON made keys strings
+    results = previous.get("results") or []
     if not args.only_alignment:
         for name in names:
             results.append(run_algorithm(name, base, shared, args, log))
     align = None if args.no_alignment else alignment_study(base, shared, args, log)
-    align_train = alignment_training(base, shared, args, log) if args.alignment_training else None
-    write_report(args, base, results, align, align_train, time.time() - t0)
+    align_train = previous.get("alignment_training")
+    if args.alignment_training:
+        align_train = alignment_training(base, shared, args, log)
+    seconds = time.time() - t0 + previous.get("seconds", 0.0)
+    write_report(args, base, results, align, align_train, seconds)
     print((RESULTS / "algorithms.md").read_text())
 
 
