@@ -5,9 +5,11 @@
     rlax sft    --run URL                                   SFT bootstrap (base model)
     rlax train  --run URL                                   the RL trainer
     rlax rollout --run URL [--worker-id ID]                 one rollout worker (join any time)
-    rlax eval   --run URL [--version all|latest|N] [--follow]
+    rlax eval   --run URL [--version all|latest|N] [--k 1,4,8,16,32] [--follow]
+    rlax orm    --run URL                                   ORM baseline (external verifier)
     rlax pass-rates --run URL --data GLOB --k 8 [--version V]  (for beam_jobs.curate)
     rlax report --run URL
+    rlax tensorboard --run URL [--logdir DIR] [--follow]   metrics -> TensorBoard event files
     rlax import-hf PATH --run URL                          HF checkpoint -> the run's base
     rlax airflow [--port N]                                 serve a local Airflow (UI)
     rlax chaos  [--config FILE] [--kills 20] [--out FILE]   kill -9 at random, compare
@@ -125,6 +127,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tensorboard(args: argparse.Namespace) -> int:
+    from pipeline.run import Run
+    from pipeline.tb_export import export, local_logdir
+
+    run = Run.open(args.run)
+    logdir = args.logdir or local_logdir(run)
+    if logdir is None:
+        print(f"rlax: run {run.url} is not local: pass --logdir DIR", file=sys.stderr)
+        return 2
+    export(run, logdir, follow=args.follow, log=lambda m: print(m, flush=True))
+    return 0
+
+
 def _job(role: str):
     def run(args: argparse.Namespace) -> int:
         from pipeline.run import Run
@@ -190,12 +205,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True)
     p.set_defaults(func=cmd_report)
 
+    p = sub.add_parser("tensorboard", help="export the run's metrics as TensorBoard event files")
+    p.add_argument("--run", required=True)
+    p.add_argument("--logdir", help="local directory (default: {run}/tensorboard for a local run)")
+    p.add_argument(
+        "--follow", action="store_true", help="keep exporting new records until the run is done"
+    )
+    p.set_defaults(func=cmd_tensorboard)
+
     for role, help_ in (
         ("sft", "SFT bootstrap of the base model"),
         ("train", "the RL trainer"),
         ("rollout", "a rollout worker"),
         ("pass-rates", "per-problem pass rates of a snapshot (for curation)"),
         ("eval", "evaluate published versions"),
+        ("orm", "train the ORM baseline (external verifier) on the run's rollouts"),
     ):
         p = sub.add_parser(role, help=help_)
         p.add_argument("--run", required=True)

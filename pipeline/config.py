@@ -140,6 +140,14 @@ class SFTConfig:
     carry_drop_prob: float = 0.4
     # Fraction of countdown demonstrations whose final step is wrong.
     countdown_error_prob: float = 0.3
+    # Learning to judge (rollout.judge_fraction): this fraction of the demonstrations are
+    # followed by the verification suffix and a verdict (pipeline/tasks/judge.py), so the
+    # base model knows the verdict format and RL's judge groups get verdicts to reward (an
+    # SFT without them almost never writes "y"/"n" there). `judge_labels`: "random" = a
+    # fair coin (format only: the base judge has no skill, all of it comes from RL),
+    # "verifier" = the verifier's grade of the demonstration (a supervised judge).
+    judge_fraction: float = 0.0
+    judge_labels: str = "random"
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, "sft.steps", self.steps, ">= 0")
@@ -152,6 +160,8 @@ class SFTConfig:
             self.countdown_error_prob,
             "[0, 1)",
         )
+        _check(0 <= self.judge_fraction <= 1, "sft.judge_fraction", self.judge_fraction, "[0, 1]")
+        _one_of("sft.judge_labels", self.judge_labels, ("random", "verifier"))
 
 
 @dataclass(frozen=True)
@@ -422,12 +432,21 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """Rollout workers: G samples for each of `prompts_per_batch` prompts per batch."""
+    """Rollout workers: G samples for each of `prompts_per_batch` prompts per batch.
+
+    `judge_fraction` turns on *learning to judge* (self-verification as a second RL task,
+    `pipeline/tasks/judge.py`): that fraction of each batch's `prompts_per_batch` groups
+    (`judge_groups()`, at least 1 and at most prompts_per_batch - 1 when > 0) are judge
+    groups, whose G samples are verdicts on one of the batch's own sampled solutions,
+    rewarded 1 when the verdict matches the verifier; the others are the usual solve
+    groups. 0 (the default) turns it off.
+    """
 
     prompts_per_batch: int = 32
     group_size: int = 8  # G
     lease_seconds: float = 120.0
     poll_seconds: float = 0.2
+    judge_fraction: float = 0.0  # fraction of each batch's groups that are judge groups
 
     def __post_init__(self) -> None:
         _check(
@@ -435,6 +454,30 @@ class RolloutConfig:
         )
         _check(self.group_size >= 1, "rollout.group_size", self.group_size, ">= 1")
         _check(self.lease_seconds > 0, "rollout.lease_seconds", self.lease_seconds, "> 0")
+        _check(
+            0.0 <= self.judge_fraction < 1.0,
+            "rollout.judge_fraction",
+            self.judge_fraction,
+            "[0, 1) (0: off)",
+        )
+        _check(
+            self.judge_fraction == 0 or self.prompts_per_batch >= 2,
+            "rollout.judge_fraction",
+            self.judge_fraction,
+            "0 when prompts_per_batch=1 (judge groups need a solve group to judge)",
+        )
+
+    def judge_groups(self) -> int:
+        """Judge groups per batch: round(judge_fraction * prompts_per_batch), clipped to
+        [1, prompts_per_batch - 1] when judging is on; 0 when it is off."""
+        if self.judge_fraction == 0:
+            return 0
+        j = int(round(self.judge_fraction * self.prompts_per_batch))
+        return min(self.prompts_per_batch - 1, max(1, j))
+
+    def solve_groups(self) -> int:
+        """Solve groups per batch: prompts_per_batch - judge_groups()."""
+        return self.prompts_per_batch - self.judge_groups()
 
 
 @dataclass(frozen=True)
@@ -447,9 +490,26 @@ class EvalConfig:
     temperature: float = 1.0
     bootstrap: int = 1000
     batch_size: int = 256
+    # Self-PRM: score every sample with the evaluated version's own p(y)/(p(y)+p(n))
+    # (docs/evaluation.md); off skips that forward pass and the self_prm@k / judge metrics.
+    self_prm: bool = True
+    # ORM baseline (tpu_jobs/orm.py): "" = the run's own model config (initialised from the
+    # SFT base weights), or a MODEL_PRESETS name (a different shape: trained from scratch).
+    orm_preset: str = ""
+    orm_steps: int = 300
+    orm_batch_size: int = 32
+    orm_lr: float = 1e-3
+    orm_holdout: float = 0.2  # fraction of prompts held out for the ORM's validation
 
     def __post_init__(self) -> None:
         _check(self.num_problems > 0, "eval.num_problems", self.num_problems, "> 0")
+        _check(isinstance(self.self_prm, bool), "eval.self_prm", self.self_prm, "true or false")
+        if self.orm_preset:
+            _one_of("eval.orm_preset", self.orm_preset, ("", *MODEL_PRESETS))
+        _check(self.orm_steps >= 0, "eval.orm_steps", self.orm_steps, ">= 0")
+        _check(self.orm_batch_size > 0, "eval.orm_batch_size", self.orm_batch_size, "> 0")
+        _check(self.orm_lr > 0, "eval.orm_lr", self.orm_lr, "> 0")
+        _check(0 < self.orm_holdout < 1, "eval.orm_holdout", self.orm_holdout, "(0, 1)")
         _check(
             all(1 <= k <= self.num_samples for k in self.ks),
             "eval.ks",

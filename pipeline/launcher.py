@@ -20,6 +20,7 @@ JOBS: dict[str, str] = {
     "rollout": "tpu_jobs.rollout_worker",
     "eval": "tpu_jobs.evaluator",
     "pass-rates": "tpu_jobs.pass_rates",
+    "orm": "tpu_jobs.orm",
 }
 
 

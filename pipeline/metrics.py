@@ -9,6 +9,10 @@
   or the model's own log-likelihood).
 - `bootstrap_ci`: percentile bootstrap confidence interval over problems.
 - `summarise`: all of the above for several k, each as (mean, lo, hi).
+- Judging (Self-PRM / ORM scores of samples against the verifier): `roc_auc`, `bootstrap_auc`,
+  `judge_stats` (accuracy, precision, recall at a threshold, with counts),
+  `difficulty_buckets` (hard / medium / easy terciles of per-problem pass rate) and
+  `judge_stats_by_bucket`.
 """
 
 from __future__ import annotations
@@ -189,4 +193,122 @@ def summarise(
                 f"best_of@{k}",
                 np.array([best_of_k(s, r, k) for s, r in zip(scores, rows, strict=True)], float),
             )
+    return out
+
+
+# ----------------------------------------------------------------------------- judging
+
+DIFFICULTY_BUCKETS = ("hard", "medium", "easy")
+
+
+def roc_auc(scores: ArrayLike, labels: ArrayLike) -> float | None:
+    """Area under the ROC curve of `scores` for binary `labels` (Mann-Whitney U: the
+    probability that a random positive outscores a random negative, ties counting 1/2).
+    None when one class is absent (the AUC is undefined)."""
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    y = np.asarray(labels, dtype=bool).reshape(-1)
+    if s.shape != y.shape:
+        raise ValueError(f"scores {s.shape} and labels {y.shape} must have the same length")
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if n_pos == 0 or n_neg == 0:
+        return None
+    # 1-based average ranks (tied scores share the mean of their ranks), then
+    # U = R_pos - n_pos (n_pos + 1) / 2.
+    _, inverse, counts = np.unique(s, return_inverse=True, return_counts=True)
+    ends = np.cumsum(counts)
+    ranks = (ends - (counts - 1) / 2.0)[inverse]
+    u = ranks[y].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
+
+
+def bootstrap_auc(
+    scores: np.ndarray,
+    correct: np.ndarray,
+    *,
+    n_boot: int = 1000,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> tuple[float, float, float] | None:
+    """(auc, lo, hi) of scores [P, n] against correct [P, n]: the AUC over all samples and a
+    percentile interval from resampling *problems* (samples of one problem stay together).
+    None when the AUC is undefined; resamples with one class only are left out."""
+    s = np.asarray(scores, dtype=np.float64)
+    c = np.asarray(correct, dtype=bool)
+    auc = roc_auc(s, c)
+    if auc is None:
+        return None
+    rng = np.random.default_rng(seed)
+    draws = []
+    for _ in range(n_boot):
+        idx = rng.integers(0, s.shape[0], size=s.shape[0])
+        a = roc_auc(s[idx], c[idx])
+        if a is not None:
+            draws.append(a)
+    if not draws:
+        return auc, auc, auc
+    lo, hi = np.quantile(draws, [alpha / 2, 1 - alpha / 2])
+    return auc, float(lo), float(hi)
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return None if den == 0 else num / den
+
+
+def judge_stats(scores: ArrayLike, correct: ArrayLike, threshold: float = 0.5) -> dict:
+    """How well scores judge samples against the verifier; the verdict is score > threshold.
+
+    accuracy = P(verdict == correct); precision = P(correct | judged yes); recall =
+    P(judged yes | correct); auc = `roc_auc`. Undefined ratios are None. Counts: samples,
+    correct, judged_yes, true_pos (correct and judged yes)."""
+    s = np.asarray(scores, dtype=np.float64).reshape(-1)
+    c = np.asarray(correct, dtype=bool).reshape(-1)
+    if s.shape != c.shape:
+        raise ValueError(f"scores {s.shape} and correct {c.shape} must have the same size")
+    yes = s > threshold
+    tp = int((yes & c).sum())
+    return {
+        "accuracy": _ratio(int((yes == c).sum()), int(c.size)),
+        "precision": _ratio(tp, int(yes.sum())),
+        "recall": _ratio(tp, int(c.sum())),
+        "auc": roc_auc(s, c),
+        "samples": int(c.size),
+        "correct": int(c.sum()),
+        "judged_yes": int(yes.sum()),
+        "true_pos": tp,
+    }
+
+
+def difficulty_buckets(correct: np.ndarray) -> np.ndarray:
+    """[P] bucket index per problem (0 hard, 1 medium, 2 easy; `DIFFICULTY_BUCKETS`) from
+    correct [P, n]: problems sorted by pass rate (ties by problem order, stable) and split
+    by rank into three near-equal terciles (sizes differ by at most one, larger first)."""
+    c = np.asarray(correct, dtype=bool)
+    if c.ndim != 2:
+        raise ValueError(f"correct must be [problems, samples], got shape {c.shape}")
+    order = np.argsort(c.mean(axis=1), kind="stable")
+    out = np.empty(c.shape[0], np.int64)
+    for b, chunk in enumerate(np.array_split(order, len(DIFFICULTY_BUCKETS))):
+        out[chunk] = b
+    return out
+
+
+def judge_stats_by_bucket(
+    scores: np.ndarray, correct: np.ndarray, threshold: float = 0.5
+) -> dict[str, dict]:
+    """`judge_stats` per difficulty tercile (`difficulty_buckets`, from the same samples'
+    pass rates), each with its problem count and pass-rate range."""
+    s = np.asarray(scores, dtype=np.float64)
+    c = np.asarray(correct, dtype=bool)
+    if s.shape != c.shape or c.ndim != 2:
+        raise ValueError(f"scores {s.shape} and correct {c.shape} must both be [problems, n]")
+    buckets = difficulty_buckets(c)
+    rates = c.mean(axis=1)
+    out = {}
+    for b, name in enumerate(DIFFICULTY_BUCKETS):
+        ix = buckets == b
+        stats = judge_stats(s[ix], c[ix], threshold)
+        stats["problems"] = int(ix.sum())
+        stats["pass_rate_min"] = float(rates[ix].min()) if ix.any() else None
+        stats["pass_rate_max"] = float(rates[ix].max()) if ix.any() else None
+        out[name] = stats
     return out

@@ -1,6 +1,15 @@
 """The human-readable report of a run: markdown + PNG plots under `report/`.
 
 Reads only what the roles wrote (metrics records, eval summaries); never recomputes.
+
+    report/report.md         every metric by name, per version, with 95% intervals
+    report/curves.png        held-out pass@k / maj@k per version; training reward per step
+    report/metrics_vs_k.png  pass@k, maj@k, self_prm@k, orm@k against k (last version)
+    report/judge_buckets.png self-judgment (and ORM) precision / recall by difficulty tercile
+    report/judge_vs_pass.png judge accuracy vs pass@1 per version (co-evolution)
+
+For a local run `build_report` also refreshes the TensorBoard event files in
+`{run}/tensorboard/` (`pipeline/tb_export.py`).
 """
 
 from __future__ import annotations
@@ -20,8 +29,190 @@ def _put(run: Run, key: str, data: bytes) -> None:
     raise RuntimeError(f"could not write {run.url}/{key}: concurrent writers")
 
 
-def _fmt(m: dict[str, float]) -> str:
+def _fmt(m: dict[str, float] | None) -> str:
+    if m is None:
+        return "–"
     return f"{m['mean']:.3f} [{m['lo']:.3f}, {m['hi']:.3f}]"
+
+
+def _num(v: float | None) -> str:
+    return "–" if v is None else f"{v:.3f}"
+
+
+# What each metric is (docs/evaluation.md has the full definitions). Keys are the part of
+# a metric's name before "@" (or the whole name).
+GLOSSARY = {
+    "pass": "pass@k: P(at least one of k samples is correct), unbiased estimator from n",
+    "maj": "maj@k: the majority answer of the first k samples is correct (ties: earliest)",
+    "avg": "avg@k: mean correctness of the first k samples",
+    "self_prm": "self_prm@k: the sample with the highest self-score among the first k is "
+    "correct (Self-PRM reranking; ties: earliest)",
+    "orm": "orm@k: the sample with the highest ORM score among the first k is correct",
+    "mean_reward": "mean_reward: mean verifier reward over all samples",
+    "judge_accuracy": "judge_accuracy: P(self-verdict == verifier), verdict = self-score > 0.5",
+    "judge_auc": "judge_auc: ROC AUC of the self-score for the verifier's correctness",
+    "orm_accuracy": "orm_accuracy: P(ORM verdict == verifier), verdict = ORM score > 0.5",
+    "orm_auc": "orm_auc: ROC AUC of the ORM score for the verifier's correctness",
+}
+JUDGE_NAMES = {"self_prm": "self-judge", "orm": "ORM"}  # self-judge: the evaluated version
+
+
+def _family(name: str) -> str:
+    return name.split("@", 1)[0] if "@" in name else name
+
+
+FAMILY_ORDER = ("pass", "maj", "avg", "self_prm", "orm", "mean_reward")
+JUDGE_ORDER = ("self_prm", "orm")
+BUCKET_ORDER = ("hard", "medium", "easy")
+
+
+def _order(names) -> list[str]:
+    """Metric names in reading order: pass@k, maj@k, self_prm@k, orm@k (k ascending),
+    mean_reward, then the judge metrics; records store them alphabetically."""
+
+    def key(name: str):
+        fam = _family(name)
+        rank = FAMILY_ORDER.index(fam) if fam in FAMILY_ORDER else len(FAMILY_ORDER)
+        k = int(name.split("@", 1)[1]) if "@" in name and name.split("@", 1)[1].isdigit() else 0
+        return rank, k, name
+
+    return sorted(dict.fromkeys(names), key=key)
+
+
+def _judges(judge: dict[str, Any]) -> list[str]:
+    return sorted(judge, key=lambda j: JUDGE_ORDER.index(j) if j in JUDGE_ORDER else 99)
+
+
+def _matplotlib():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def eval_streams(run: Run) -> dict[str, list[dict[str, Any]]]:
+    """{stream: records sorted by version} of "eval" and the `--k` streams "eval-n*"."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for key in run.store.list("metrics/eval"):
+        parts = key.split("/")
+        if len(parts) == 3 and (parts[1] == "eval" or parts[1].startswith("eval-n")):
+            out.setdefault(parts[1], [])
+    return {s: sorted(run.read_metrics(s), key=lambda r: r["version"]) for s in sorted(out)}
+
+
+def richest_record(streams: dict[str, list[dict[str, Any]]], version: int) -> dict[str, Any]:
+    """Of the records of `version`, the one with the most k values (the default first)."""
+    found = [r for s in sorted(streams, key=lambda s: s != "eval") for r in streams[s]]
+    found = [r for r in found if r["version"] == version]
+    return max(found, key=lambda r: len(r.get("ks") or _ks(r)))
+
+
+def _ks(record: dict[str, Any]) -> list[int]:
+    return sorted({int(n.split("@")[1]) for n in record["metrics"] if n.startswith("pass@")})
+
+
+def plot_metrics_vs_k(record: dict[str, Any]) -> bytes:
+    """pass@k, maj@k, self_prm@k, orm@k against k for one version, with 95% intervals."""
+    plt = _matplotlib()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ks = _ks(record)
+    for fam, marker in (("pass", "o"), ("maj", "s"), ("self_prm", "^"), ("orm", "D")):
+        pts = [(k, record["metrics"].get(f"{fam}@{k}")) for k in ks]
+        pts = [(k, m) for k, m in pts if m is not None]
+        if not pts:
+            continue
+        x = [k for k, _ in pts]
+        mean = [m["mean"] for _, m in pts]
+        err = [[m["mean"] - m["lo"] for _, m in pts], [m["hi"] - m["mean"] for _, m in pts]]
+        ax.errorbar(x, mean, yerr=err, marker=marker, capsize=3, label=f"{fam}@k")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("k (samples)")
+    ax.set_ylabel("held-out score (95% bootstrap CI)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"v{record['version']}: metrics against k (n={record['num_samples']})")
+    return _png(fig)
+
+
+def plot_judge_buckets(record: dict[str, Any]) -> bytes:
+    """Precision and recall of the self-judgment (and ORM) per difficulty tercile."""
+    plt = _matplotlib()
+    judges = record.get("judge", {})
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    buckets = ["hard", "medium", "easy"]
+    series = [
+        (f"{JUDGE_NAMES.get(j, j)} {what}", [judges[j]["by_difficulty"][b][what] for b in buckets])
+        for j in _judges(judges)
+        for what in ("precision", "recall")
+    ]
+    width = 0.8 / max(1, len(series))
+    for i, (label, values) in enumerate(series):
+        xs = [b + (i - (len(series) - 1) / 2) * width for b in range(len(buckets))]
+        ax.bar(xs, [0 if v is None else v for v in values], width, label=label)
+        for x, v in zip(xs, values, strict=True):
+            if v is None:
+                ax.text(x, 0.01, "n/a", ha="center", fontsize=7, rotation=90)
+    counts = []
+    for b in buckets:
+        st = next(iter(judges.values()))["by_difficulty"][b] if judges else {}
+        counts.append(f"{b}\n{st.get('problems', 0)} problems, {st.get('correct', 0)} correct")
+    ax.set_xticks(range(len(buckets)), counts)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("precision = P(correct | yes), recall = P(yes | correct)")
+    ax.grid(alpha=0.3, axis="y")
+    if series:
+        ax.legend(fontsize=8)
+    ax.set_title(f"v{record['version']}: judgment by difficulty (pass-rate tercile)")
+    return _png(fig)
+
+
+def plot_judge_vs_pass(evals: list[dict[str, Any]]) -> bytes:
+    """Judge accuracy (self and ORM) and pass@1 per version, and judge accuracy against
+    pass@1 (each point a version): how judging co-evolves with solving."""
+    plt = _matplotlib()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in ("pass@1", "judge_accuracy", "judge_auc", "orm_accuracy"):
+        pts = [(e["version"], e["metrics"][name]) for e in evals if name in e["metrics"]]
+        if not pts:
+            continue
+        x = [v for v, _ in pts]
+        mean = [m["mean"] for _, m in pts]
+        err = [[m["mean"] - m["lo"] for _, m in pts], [m["hi"] - m["mean"] for _, m in pts]]
+        ax1.errorbar(x, mean, yerr=err, marker="o", capsize=3, label=name)
+    ax1.set_xlabel("weight version")
+    ax1.xaxis.get_major_locator().set_params(integer=True)
+    ax1.set_ylim(0, 1)
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    ax1.set_title("judging and solving per version (95% CI)")
+    pts = [e for e in evals if "judge_accuracy" in e["metrics"] and "pass@1" in e["metrics"]]
+    if pts:
+        x = [e["metrics"]["pass@1"]["mean"] for e in pts]
+        y = [e["metrics"]["judge_accuracy"]["mean"] for e in pts]
+        ax2.plot(x, y, "-o")
+        for e, xi, yi in zip(pts, x, y, strict=True):
+            ax2.annotate(f"v{e['version']}", (xi, yi), textcoords="offset points", xytext=(4, 4))
+    ax2.set_xlabel("pass@1")
+    ax2.set_ylabel("judge_accuracy")
+    ax2.set_xlim(0, 1)
+    ax2.set_ylim(0, 1)
+    ax2.grid(alpha=0.3)
+    ax2.set_title("self-judge accuracy against pass@1")
+    return _png(fig)
 
 
 def plot_curves(train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> bytes:
@@ -95,16 +286,20 @@ def build_report(run: Run) -> str:
         )
     lines += ["", "## Held-out evaluation per version", ""]
     if evals:
-        names = list(evals[0]["metrics"])
+        names = _order(n for e in evals for n in e["metrics"])
         lines.append("| version | " + " | ".join(names) + " |")
         lines.append("|---|" + "---|" * len(names))
         for e in evals:
             lines.append(
-                f"| v{e['version']} | " + " | ".join(_fmt(e["metrics"][n]) for n in names) + " |"
+                f"| v{e['version']} | "
+                + " | ".join(_fmt(e["metrics"].get(n)) for n in names)
+                + " |"
             )
         first, last = evals[0], evals[-1]
         lines += ["", f"Change from v{first['version']} to v{last['version']}:", ""]
         for n in names:
+            if n not in first["metrics"] or n not in last["metrics"]:
+                continue
             d = last["metrics"][n]["mean"] - first["metrics"][n]["mean"]
             lines.append(
                 f"- {n}: {first['metrics'][n]['mean']:.3f} -> "
@@ -112,7 +307,9 @@ def build_report(run: Run) -> str:
             )
         lines += ["", "Per task family (last version):", ""]
         for task, summary in last.get("per_task", {}).items():
-            lines.append(f"- {task}: " + ", ".join(f"{n} {_fmt(m)}" for n, m in summary.items()))
+            lines.append(
+                f"- {task}: " + ", ".join(f"{n} {_fmt(summary[n])}" for n in _order(summary))
+            )
         lines += [
             "",
             f"Intervals are 95% percentile bootstrap over {first['num_problems']} "
@@ -121,7 +318,147 @@ def build_report(run: Run) -> str:
     else:
         lines.append("No version has been evaluated yet: `rlax eval --run RUN`.")
     lines += ["", "![curves](curves.png)", ""]
+    pngs = {"report/curves.png": plot_curves(train, evals)}
+    streams = eval_streams(run)
+    if evals or streams:
+        last_version = max(
+            [e["version"] for e in evals] or [r["version"] for rs in streams.values() for r in rs]
+        )
+        rich = richest_record(streams, last_version)
+        lines += _k_section(rich)
+        pngs["report/metrics_vs_k.png"] = plot_metrics_vs_k(rich)
+        lines += ["", "![metrics against k](metrics_vs_k.png)", ""]
+        if rich.get("judge"):
+            lines += _bucket_section(rich)
+            pngs["report/judge_buckets.png"] = plot_judge_buckets(rich)
+            lines += ["", "![judgment by difficulty](judge_buckets.png)", ""]
+        if any("judge_accuracy" in e["metrics"] for e in evals):
+            lines += _coevolution_section(evals)
+            pngs["report/judge_vs_pass.png"] = plot_judge_vs_pass(evals)
+            lines += ["", "![judge accuracy vs pass@1](judge_vs_pass.png)", ""]
+    lines += _orm_section(run)
+    lines += _glossary(evals, streams)
     md = "\n".join(lines)
-    _put(run, "report/curves.png", plot_curves(train, evals))
+    for key, data in pngs.items():
+        _put(run, key, data)
     _put(run, "report/report.md", md.encode())
+    _refresh_tensorboard(run)
     return md
+
+
+def _k_section(rec: dict[str, Any]) -> list[str]:
+    ks = _ks(rec)
+    fams = [f for f in ("pass", "maj", "self_prm", "orm") if f"{f}@{ks[0]}" in rec["metrics"]]
+    lines = [
+        "",
+        f"## Metrics against k (v{rec['version']}, n={rec['num_samples']} samples per problem)",
+        "",
+        "| k | " + " | ".join(f"{f}@k" for f in fams) + " |",
+        "|---|" + "---|" * len(fams),
+    ]
+    for k in ks:
+        cells = [_fmt(rec["metrics"].get(f"{f}@{k}")) for f in fams]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _bucket_section(rec: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        f"## Self-judgment by difficulty (v{rec['version']})",
+        "",
+        f"Verdict = score > {rec.get('judge_threshold', 0.5)}; precision = P(correct | judged "
+        f"yes), recall = P(judged yes | correct); {rec.get('difficulty', '')}.",
+        "",
+        "| judge | bucket | problems | pass rate | samples | correct | judged yes | true pos "
+        "| precision | recall | accuracy | AUC |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for judge in _judges(rec["judge"]):
+        rep = rec["judge"][judge]
+        rows = [("all", {**rep["overall"], "problems": rec["num_problems"]})]
+        rows += [(b, rep["by_difficulty"][b]) for b in BUCKET_ORDER if b in rep["by_difficulty"]]
+        for bucket, st in rows:
+            rate = (
+                f"{st['pass_rate_min']:.2f}–{st['pass_rate_max']:.2f}"
+                if st.get("pass_rate_min") is not None
+                else "–"
+            )
+            lines.append(
+                f"| {JUDGE_NAMES.get(judge, judge)} | {bucket} | {st['problems']} | {rate} | "
+                f"{st['samples']} | {st['correct']} | {st['judged_yes']} | {st['true_pos']} | "
+                f"{_num(st['precision'])} | {_num(st['recall'])} | {_num(st['accuracy'])} | "
+                f"{_num(st['auc'])} |"
+            )
+    return lines
+
+
+def _coevolution_section(evals: list[dict[str, Any]]) -> list[str]:
+    names = [
+        n
+        for n in ("pass@1", "judge_accuracy", "judge_auc", "orm_accuracy", "orm_auc")
+        if any(n in e["metrics"] for e in evals)
+    ]
+    lines = [
+        "",
+        "## Judging and solving per version (co-evolution)",
+        "",
+        "| version | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for e in evals:
+        lines.append(
+            f"| v{e['version']} | " + " | ".join(_fmt(e["metrics"].get(n)) for n in names) + " |"
+        )
+    return lines
+
+
+def _orm_section(run: Run) -> list[str]:
+    recs = run.read_metrics("orm")
+    if not recs:
+        return []
+    r = recs[0]
+    b, a = r["val_before"], r["val"]
+    return [
+        "",
+        "## ORM baseline",
+        "",
+        f"- model `{r['model']['preset']}` (hidden {r['model']['hidden_size']}), initialised "
+        f"from {r['init']}, {r['steps']} steps on {r['train_rows']} labelled rollouts "
+        f"({r['train_positives']} correct); held out {r['val_rows']} rows "
+        f"({r['val_positives']} correct) of unseen prompts",
+        f"- held-out accuracy {_num(b['accuracy'])} -> {_num(a['accuracy'])}, balanced "
+        f"accuracy {_num(b['balanced_accuracy'])} -> {_num(a['balanced_accuracy'])}, AUC "
+        f"{_num(b['auc'])} -> {_num(a['auc'])}, verdict loss {_num(b['loss'])} -> "
+        f"{_num(a['loss'])} (before -> after training)",
+    ]
+
+
+def _glossary(evals: list[dict[str, Any]], streams: dict[str, list[dict[str, Any]]]) -> list[str]:
+    names = _order(
+        [n for e in evals for n in e["metrics"]]
+        + [n for rs in streams.values() for r in rs for n in r["metrics"]]
+    )
+    fams = list(dict.fromkeys(_family(n) for n in names))
+    lines = ["", "## Metrics", ""]
+    for fam in fams:
+        members = [n for n in names if _family(n) == fam]
+        lines.append(f"- {GLOSSARY.get(fam, fam)}. Reported: {', '.join(members)}.")
+    lines += [
+        "",
+        "Every interval is a 95% percentile bootstrap over problems; definitions in "
+        "docs/evaluation.md.",
+    ]
+    return lines
+
+
+def _refresh_tensorboard(run: Run) -> None:
+    from pipeline.tb_export import export, local_logdir
+
+    logdir = local_logdir(run)
+    if logdir is None:
+        return
+    try:
+        export(run, logdir, log=lambda m: None)
+    except ImportError as err:  # tensorboardX missing: the report itself is still complete
+        print(f"[report] TensorBoard export skipped: {err}")

@@ -4,6 +4,15 @@ A batch holds G samples for each of `prompts_per_batch` prompts, with everything
 trainer needs (token ids, behaviour log-probs, rewards) and the provenance (policy
 version, worker id). Rows are ordered by (prompt_pos, sample_index), so groups are
 contiguous and of size G.
+
+Learning to judge (`RolloutConfig.judge_fraction`) adds *judge groups* after the solve
+groups (each contiguous and of size G, ordered by judge slot): `kind` is "judge" (else
+"solve"), `prompt_ids` the judged problem's prompt, `completion_ids` the judged solution
+(without EOS) + the verification suffix + the sampled verdict (+ EOS), and `loss_mask` is 0
+on the solution and suffix tokens (context the policy did not sample here) and 1 on the
+verdict tokens; `behaviour_logprobs` are 0 where the mask is 0. Both columns are optional:
+a batch written before them (or a row with a null mask) reads as all "solve" with an
+all-ones mask.
 """
 
 from __future__ import annotations
@@ -32,6 +41,13 @@ SCHEMA = pa.schema(
         ("worker_id", pa.string()),
     ]
 )
+# Columns added later: absent in older batches (see `from_parquet_bytes` for the defaults).
+OPTIONAL_FIELDS = [
+    ("kind", pa.string()),  # "solve" | "judge"
+    ("loss_mask", pa.list_(pa.int8())),  # per completion token; null: all ones
+]
+FULL_SCHEMA = pa.schema([*SCHEMA, *OPTIONAL_FIELDS])
+KINDS = ("solve", "judge")
 
 
 @dataclass
@@ -51,9 +67,24 @@ class RolloutBatch:
     reward: np.ndarray
     policy_version: int
     worker_id: str
+    kind: list[str] | None = None  # None: every row is "solve"
+    loss_mask: list[list[int] | None] | None = None  # None (or a None row): all ones
 
     def __len__(self) -> int:
         return len(self.prompt_id)
+
+    def kinds(self) -> list[str]:
+        """Each row's kind ("solve" or "judge")."""
+        return list(self.kind) if self.kind is not None else ["solve"] * len(self)
+
+    def is_judge(self) -> np.ndarray:
+        """[rows] bool: the judge rows."""
+        return np.asarray([k == "judge" for k in self.kinds()], bool)
+
+    def token_mask(self, row: int) -> list[int]:
+        """The loss mask of one row's completion tokens (all ones when none is stored)."""
+        m = None if self.loss_mask is None else self.loss_mask[row]
+        return [1] * len(self.completion_ids[row]) if m is None else list(m)
 
     def num_tokens(self) -> int:
         return int(sum(len(c) for c in self.completion_ids))
@@ -65,6 +96,16 @@ def batch_key(index: int) -> str:
 
 def to_parquet_bytes(batch: RolloutBatch) -> bytes:
     n = len(batch)
+    bad = sorted(set(batch.kinds()) - set(KINDS))
+    if bad:
+        raise ValueError(f"rollout batch has rows of kind {bad}; allowed: {', '.join(KINDS)}")
+    if batch.loss_mask is not None:
+        for i, m in enumerate(batch.loss_mask):
+            if m is not None and len(m) != len(batch.completion_ids[i]):
+                raise ValueError(
+                    f"row {i}: loss_mask has {len(m)} entries for "
+                    f"{len(batch.completion_ids[i])} completion tokens; they must match"
+                )
     table = pa.table(
         {
             "batch_index": np.full(n, batch.batch_index, np.int64),
@@ -80,8 +121,14 @@ def to_parquet_bytes(batch: RolloutBatch) -> bytes:
             "reward": np.asarray(batch.reward, np.float32),
             "policy_version": np.full(n, batch.policy_version, np.int64),
             "worker_id": [batch.worker_id] * n,
+            "kind": batch.kinds(),
+            "loss_mask": (
+                [None] * n
+                if batch.loss_mask is None
+                else [None if m is None else list(m) for m in batch.loss_mask]
+            ),
         },
-        schema=SCHEMA,
+        schema=FULL_SCHEMA,
     )
     sink = io.BytesIO()
     pq.write_table(table, sink, compression="zstd")
@@ -110,6 +157,8 @@ def from_parquet_bytes(data: bytes) -> RolloutBatch:
         reward=np.asarray(cols["reward"], np.float32),
         policy_version=int(cols["policy_version"][0]),
         worker_id=cols["worker_id"][0],
+        kind=cols.get("kind"),
+        loss_mask=cols.get("loss_mask"),
     )
 
 

@@ -1,14 +1,28 @@
 """Held-out evaluation of published weight versions.
 
     python -m tpu_jobs.evaluator --run RUN_URL [--version V | --version all | --version latest]
-                                 [--follow]
+                                 [--k 1,4,8,16,32] [--every N] [--follow]
 
 For each version: n samples per held-out problem, scored by the task verifiers;
 pass@k (unbiased estimator), maj@k and mean reward, each with a 95% bootstrap interval
-over problems. Writes `eval/v{N:08d}.parquet` (one row per sample) create-only and a
-summary record under `metrics/eval/`; a version already evaluated is skipped. Every
-version is sampled with the same keys (common random numbers), so differences between
-versions are not sampling noise of the keys.
+over problems. With `eval.self_prm` (default) every sample is also judged by the
+evaluated version itself (`tpu_jobs.judge.self_scores`: p(y) / (p(y) + p(n)) after the
+judge suffix), giving self_prm@k (best of the first k by self-score), judge_accuracy,
+judge_auc and the judge's precision / recall by difficulty tercile; when the run has an
+ORM (`tpu_jobs/orm.py`, `orm/` parameter server) its scores give orm@k, orm_accuracy and
+orm_auc the same way. docs/evaluation.md defines every metric.
+
+Writes `eval/v{N:08d}.parquet` (one row per sample) create-only and a summary record
+under `metrics/eval/`; a version already evaluated is skipped. Every version is sampled
+with the same keys (common random numbers), so differences between versions are not
+sampling noise of the keys; the key of sample s of problem p does not depend on n, so
+the first n samples of a larger evaluation are those of a smaller one.
+
+`--k` overrides `eval.ks`; n becomes max(eval.num_samples, max k). Records are
+immutable, so an evaluation whose (n, ks) differs from the config's goes to its own
+keys: samples `eval/v{N:08d}-n{n}.parquet` (when n differs) and the record in stream
+`metrics/eval-n{n}-k{k1}_{k2}.../` (`eval_stream`). Each (version, n, ks) is evaluated
+once; if the samples for (version, n) already exist, a new ks only re-summarises them.
 """
 
 from __future__ import annotations
@@ -24,20 +38,60 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.metrics import bootstrap_ci, maj_at_k, pass_at_k
+from pipeline.metrics import (
+    best_of_k,
+    bootstrap_auc,
+    bootstrap_ci,
+    judge_stats,
+    judge_stats_by_bucket,
+    maj_at_k,
+    pass_at_k,
+)
 from pipeline.paramserver import ParamServer
 from pipeline.run import DONE_KEY, Run
 from pipeline.tasks import get_task
 from pipeline.tokenizer import get_tokenizer
+from tpu_jobs.judge import self_scores
 from tpu_jobs.model import init_model, load_flat_params
+from tpu_jobs.orm import load_orm
 from tpu_jobs.rollout_worker import sample_keys
 from tpu_jobs.sampler import Sampler
 
 EVAL_STREAM = 0xE7A1
+JUDGE_THRESHOLD = 0.5  # a judge says "correct" when its score p(y)/(p(y)+p(n)) > this
+# Rerankers: metric prefix -> (per-sample score column, prefix of accuracy / auc metrics).
+SCORERS = {"self_prm": ("self_score", "judge"), "orm": ("orm_score", "orm")}
+DIFFICULTY_NOTE = (
+    "difficulty = the problem's pass rate over its n samples at the evaluated version; "
+    "problems sorted by it (ties by problem order) and split by rank into terciles "
+    "hard / medium / easy"
+)
 
 
-def eval_key(version: int) -> str:
-    return f"eval/v{version:08d}.parquet"
+def eval_key(
+    version: int, num_samples: int | None = None, default_samples: int | None = None
+) -> str:
+    """Per-sample results of `version`; an n other than the config's gets its own key."""
+    suffix = "" if num_samples is None or num_samples == default_samples else f"-n{num_samples}"
+    return f"eval/v{version:08d}{suffix}.parquet"
+
+
+def eval_stream(num_samples: int, ks, default_samples: int, default_ks) -> str:
+    """Metrics stream of an evaluation: "eval" for the config's (n, ks), else its own."""
+    ks = tuple(int(k) for k in ks)
+    if num_samples == default_samples and ks == tuple(default_ks):
+        return "eval"
+    return f"eval-n{num_samples}-k" + "_".join(map(str, ks))
+
+
+def parse_ks(spec: str) -> tuple[int, ...]:
+    try:
+        ks = sorted({int(k) for k in spec.split(",") if k.strip()})
+    except ValueError:
+        ks = []
+    if not ks or ks[0] < 1:
+        raise SystemExit(f"--k {spec!r} is invalid; allowed: positive integers, e.g. 1,4,8,16,32")
+    return tuple(ks)
 
 
 def summarise_samples(
@@ -48,8 +102,12 @@ def summarise_samples(
     *,
     n_boot: int,
     seed: int,
+    scores: dict[str, np.ndarray] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """correct/rewards: [problems, n]; answers: per problem, n extracted answers."""
+    """correct/rewards: [problems, n]; answers: per problem, n extracted answers; scores:
+    {SCORERS key: [problems, n]} (e.g. {"self_prm": self-scores}) for best-of-k reranking
+    (`{name}@k`: the highest-scored of the first k samples, ties to the earliest) and the
+    judge's accuracy (verdict = score > 0.5) and AUC against the verifier."""
     n = correct.shape[1]
     per_problem: dict[str, np.ndarray] = {"mean_reward": rewards.mean(axis=1)}
     c = correct.sum(axis=1)
@@ -61,15 +119,38 @@ def summarise_samples(
                 for a, cr in zip(answers, correct, strict=True)
             ]
         )
+    for name, s in (scores or {}).items():
+        for k in ks:
+            per_problem[f"{name}@{k}"] = np.array(
+                [float(best_of_k(si, ci, k)) for si, ci in zip(s, correct, strict=True)]
+            )
+    for name, s in (scores or {}).items():
+        # Every problem has n samples, so the mean of per-problem accuracies is the accuracy.
+        per_problem[f"{SCORERS[name][1]}_accuracy"] = ((s > JUDGE_THRESHOLD) == correct).mean(1)
     out = {}
     for name, values in per_problem.items():
         mean, lo, hi = bootstrap_ci(values, n_boot=n_boot, seed=seed)
         out[name] = {"mean": float(mean), "lo": float(lo), "hi": float(hi)}
+    for name, s in (scores or {}).items():
+        auc = bootstrap_auc(s, correct, n_boot=n_boot, seed=seed)
+        if auc is not None:
+            out[f"{SCORERS[name][1]}_auc"] = dict(zip(("mean", "lo", "hi"), auc, strict=True))
     return out
 
 
+def judge_report(scores: dict[str, np.ndarray], correct: np.ndarray) -> dict[str, Any]:
+    """{SCORERS key: {"overall": judge_stats, "by_difficulty": {hard|medium|easy: stats}}}."""
+    return {
+        name: {
+            "overall": judge_stats(s, correct, JUDGE_THRESHOLD),
+            "by_difficulty": judge_stats_by_bucket(s, correct, JUDGE_THRESHOLD),
+        }
+        for name, s in scores.items()
+    }
+
+
 class Evaluator:
-    def __init__(self, run: Run, *, log=print) -> None:
+    def __init__(self, run: Run, *, ks=None, log=print) -> None:
         self.run = run
         self.cfg = run.config
         self.log = log
@@ -78,34 +159,72 @@ class Evaluator:
         self.problems = run.read_problems("eval")[: self.cfg.eval.num_problems]
         self.model = init_model(self.cfg.model, self.cfg.seed)
         self.sampler = Sampler(self.cfg.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id)
+        ec = self.cfg.eval
+        self.ks = tuple(sorted({int(k) for k in ks})) if ks else tuple(ec.ks)
+        self.n = max(ec.num_samples, max(self.ks))
+        self.stream = eval_stream(self.n, self.ks, ec.num_samples, ec.ks)
+        self._orm: tuple[Any, dict[str, Any]] | None = None
+
+    def samples_key(self, version: int) -> str:
+        return eval_key(version, self.n, self.cfg.eval.num_samples)
+
+    def record_key(self, version: int) -> str:
+        return f"metrics/{self.stream}/{version:08d}.json"
+
+    def orm(self) -> tuple[Any, dict[str, Any]] | None:
+        """The run's ORM (model, metadata) once it is published; None before."""
+        if self._orm is None:
+            self._orm = load_orm(self.run)
+        return self._orm
 
     def evaluate(self, version: int, *, server: ParamServer | None = None) -> dict[str, Any]:
-        ec = self.cfg.eval
-        if self.run.store.exists(f"metrics/eval/{version:08d}.json") and server is None:
-            record = next(r for r in self.run.read_metrics("eval") if r["version"] == version)
-            self.log(f"[eval] v{version} already evaluated; skipping")
+        own = server is None or server is self.ps  # results of the run's own versions are kept
+        if own and self.run.store.exists(self.record_key(version)):
+            record = next(r for r in self.run.read_metrics(self.stream) if r["version"] == version)
+            self.log(f"[eval] v{version} already evaluated ({self.stream}); skipping")
             return record
-        server = server or self.ps
-        load_flat_params(self.model, server.pull(version).tensors)
-        n = ec.num_samples
         t0 = time.time()
+        if own and self.run.store.exists(self.samples_key(version)):
+            # Same samples, other ks: re-summarise the stored rows, no sampling.
+            table = pq.read_table(io.BytesIO(self.run.store.read(self.samples_key(version))))
+            self.log(f"[eval] v{version}: summarising stored {self.samples_key(version)}")
+        else:
+            table = self._sample_and_score(version, server or self.ps)
+            if own:
+                sink = io.BytesIO()
+                pq.write_table(table, sink, compression="zstd")
+                self.run.store.write_new(self.samples_key(version), sink.getvalue())
+        record = self.summarise_table(version, table)
+        record["seconds"] = time.time() - t0
+        if own:
+            self.run.log_metrics(self.stream, version, record)
+        self.log(format_summary(version, record["metrics"], time.time() - t0))
+        return record
+
+    def _sample_and_score(self, version: int, server: ParamServer) -> pa.Table:
+        ec = self.cfg.eval
+        load_flat_params(self.model, server.pull(version).tensors)
+        n = self.n
         rows = [(pi, s) for pi in range(len(self.problems)) for s in range(n)]
         keys = sample_keys(self.cfg.seed, EVAL_STREAM, 0, 0, len(self.problems), n)
+        prompt_ids = [self.tok.encode_prompt(p.prompt) for p in self.problems]
         texts: list[str] = []
         lengths: list[int] = []
+        completion_ids: list[list[int]] = []
         for start in range(0, len(rows), ec.batch_size):
             chunk = rows[start : start + ec.batch_size]
-            prompts = [self.tok.encode_prompt(self.problems[pi].prompt) for pi, _ in chunk]
             out = self.sampler.generate(
                 self.model,
-                prompts,
+                [prompt_ids[pi] for pi, _ in chunk],
                 keys[start : start + len(chunk)],
                 max_new_tokens=self.cfg.sampler.max_new_tokens,
                 temperature=ec.temperature,
             )
             for r in range(len(chunk)):
                 ln = int(out.lengths[r])
-                texts.append(self.tok.decode(out.tokens[r, :ln].tolist()))
+                ids = out.tokens[r, :ln].tolist()
+                completion_ids.append(ids)
+                texts.append(self.tok.decode(ids))
                 lengths.append(ln)
         rewards = np.zeros((len(self.problems), n), np.float32)
         answers: list[list[str | None]] = [[None] * n for _ in self.problems]
@@ -114,51 +233,72 @@ class Evaluator:
             task = get_task(p.task)
             rewards[pi, s] = task.verify(p, text)
             answers[pi][s] = task.extract_answer(text)
+        columns: dict[str, Any] = {
+            "version": np.full(len(rows), version, np.int64),
+            "problem_id": [self.problems[pi].problem_id for pi, _ in rows],
+            "task": [self.problems[pi].task for pi, _ in rows],
+            "sample_index": np.asarray([s for _, s in rows], np.int32),
+            "completion": texts,
+            "answer": [answers[pi][s] for pi, s in rows],
+            "reference": [self.problems[pi].answer for pi, _ in rows],
+            "reward": rewards.reshape(-1),
+            "num_tokens": np.asarray(lengths, np.int32),
+        }
+        judged_prompts = [prompt_ids[pi] for pi, _ in rows]
+        if ec.self_prm:  # the evaluated version judges its own samples
+            columns["self_score"] = self_scores(
+                self.model, self.tok, judged_prompts, completion_ids, batch_size=ec.batch_size
+            )
+        orm = self.orm()
+        if orm is not None:
+            columns["orm_score"] = self_scores(
+                orm[0], self.tok, judged_prompts, completion_ids, batch_size=ec.batch_size
+            )
+        return pa.table(columns)
+
+    def summarise_table(self, version: int, table: pa.Table) -> dict[str, Any]:
+        """The metrics record of one version from its per-sample table (rows ordered by
+        problem, then sample index, as `_sample_and_score` writes them)."""
+        ec = self.cfg.eval
+        cols = table.to_pydict()
+        n = int(max(cols["sample_index"])) + 1
+        p = len(cols["problem_id"]) // n
+        rewards = np.asarray(cols["reward"], np.float32).reshape(p, n)
+        answers = [cols["answer"][i * n : (i + 1) * n] for i in range(p)]
         correct = rewards >= 1.0
-        summary = summarise_samples(
-            correct, answers, rewards, ec.ks, n_boot=ec.bootstrap, seed=self.cfg.seed
-        )
-        by_task: dict[str, list[int]] = defaultdict(list)
-        for pi, p in enumerate(self.problems):
-            by_task[p.task].append(pi)
-        per_task = {
-            t: summarise_samples(
+        scores = {
+            name: np.asarray(cols[col], np.float64).reshape(p, n)
+            for name, (col, _) in SCORERS.items()
+            if col in cols
+        }
+        tasks = [cols["task"][i * n] for i in range(p)]
+
+        def summary(ix):
+            return summarise_samples(
                 correct[ix],
                 [answers[i] for i in ix],
                 rewards[ix],
-                ec.ks,
+                self.ks,
                 n_boot=ec.bootstrap,
                 seed=self.cfg.seed,
+                scores={name: s[ix] for name, s in scores.items()},
             )
-            for t, ix in ((t, np.asarray(ix)) for t, ix in sorted(by_task.items()))
-        }
-        table = pa.table(
-            {
-                "version": np.full(len(rows), version, np.int64),
-                "problem_id": [self.problems[pi].problem_id for pi, _ in rows],
-                "task": [self.problems[pi].task for pi, _ in rows],
-                "sample_index": np.asarray([s for _, s in rows], np.int32),
-                "completion": texts,
-                "answer": [answers[pi][s] for pi, s in rows],
-                "reference": [self.problems[pi].answer for pi, _ in rows],
-                "reward": rewards.reshape(-1),
-                "num_tokens": np.asarray(lengths, np.int32),
-            }
-        )
-        sink = io.BytesIO()
-        pq.write_table(table, sink, compression="zstd")
+
+        by_task: dict[str, list[int]] = defaultdict(list)
+        for pi, t in enumerate(tasks):
+            by_task[t].append(pi)
         record = {
             "version": version,
-            "num_problems": len(self.problems),
+            "num_problems": p,
             "num_samples": n,
-            "metrics": summary,
-            "per_task": per_task,
-            "seconds": time.time() - t0,
+            "ks": list(self.ks),
+            "metrics": summary(np.arange(p)),
+            "per_task": {t: summary(np.asarray(ix)) for t, ix in sorted(by_task.items())},
         }
-        if server is self.ps:
-            self.run.store.write_new(eval_key(version), sink.getvalue())
-            self.run.log_metrics("eval", version, record)
-        self.log(format_summary(version, summary, time.time() - t0))
+        if scores:
+            record["judge"] = judge_report(scores, correct)
+            record["judge_threshold"] = JUDGE_THRESHOLD
+            record["difficulty"] = DIFFICULTY_NOTE
         return record
 
 
@@ -199,8 +339,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep evaluating new versions until the trainer is done",
     )
+    parser.add_argument(
+        "--k",
+        help="comma-separated k values overriding eval.ks (n becomes max(eval.num_samples, "
+        "max k)); results of a non-default (n, ks) go to their own keys, see the module doc",
+    )
     args = parser.parse_args(argv)
-    ev = Evaluator(Run.open(args.run), log=lambda m: print(m, flush=True))
+    ks = parse_ks(args.k) if args.k else None
+    ev = Evaluator(Run.open(args.run), ks=ks, log=lambda m: print(m, flush=True))
+    if ev.stream != "eval":
+        print(f"[eval] n={ev.n} ks={list(ev.ks)}: records in metrics/{ev.stream}/", flush=True)
     done: set[int] = set()
     while True:
         versions = resolve_versions(ev.ps, args.version)

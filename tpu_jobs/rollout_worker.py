@@ -16,6 +16,19 @@ drops groups whose G rewards are all equal (zero advantage, no gradient) and ref
 batch from further candidate prompts of the batch's extended deterministic slice, at most
 `dynamic_sampling_rounds` rounds; the soft overlong punishment
 (`losses.overlong_penalty`) is added to each reward by completion length.
+
+Learning to judge (`RolloutConfig.judge_fraction` > 0): of the batch's prompts_per_batch
+group slots, J = `rollout.judge_groups()` are judge groups and the other S = P - J are the
+usual solve groups (the batch keeps its fixed size, so the trainer's shapes do not change
+with J). After the solve groups are generated and scored, judge group j judges one sampled
+solution of candidate slot j mod S of round 0 (every round-0 group is generated, whatever
+dynamic sampling keeps): a correct one when (batch index + j) is even, a wrong one when it
+is odd (the other kind when the group has none), picked among those by a generator seeded
+with (seed, batch index). Its G samples are verdicts: the sampler's prompt is the problem's
+prompt + the solution without EOS + `JUDGE_SUFFIX`, with VERDICT_MAX_TOKENS new tokens, keys
+from (seed, JUDGE_STREAM, batch index, j, sample), and the reward is `judge_reward` (1 iff
+the verdict matches the verifier's grade of the solution). Judge groups come after the
+solve groups; dynamic sampling and the overlong punishment act on solve groups only.
 """
 
 from __future__ import annotations
@@ -41,12 +54,15 @@ from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
 from pipeline.run import DONE_KEY, Run
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks import get_task
+from pipeline.tasks.judge import judge_context, judge_reward
 from pipeline.tokenizer import get_tokenizer
+from tpu_jobs.judge import VERDICT_MAX_TOKENS, suffix_ids
 from tpu_jobs.losses import filter_constant_groups, overlong_penalty
 from tpu_jobs.model import init_model, load_flat_params
 from tpu_jobs.sampler import Sampler
 
 ROLLOUT_STREAM = 0x0A11  # domain separator of rollout keys vs evaluation keys
+JUDGE_STREAM = 0x0A12  # keys (and solution picks) of learning-to-judge verdicts
 
 
 def sample_keys(seed: int, stream: int, index: int, group: int, count: int, size: int) -> jax.Array:
@@ -72,7 +88,7 @@ class RolloutWorker:
         self.version: int | None = None
         self._stop = False
         self.batches_done = 0
-        self.last_stats: dict[str, int] = {}  # dynamic-sampling counts of the last batch
+        self.last_stats: dict[str, Any] = {}  # dynamic-sampling / judge stats of the last batch
 
     def request_stop(self, *_: Any) -> None:
         self._stop = True
@@ -90,10 +106,11 @@ class RolloutWorker:
         return True
 
     def _generate_round(self, index: int, rnd: int) -> dict[str, Any]:
-        """Round `rnd` of batch `index`: G samples for each of the prompts_per_batch
-        candidate slots rnd * P .. rnd * P + P - 1, scored (and overlong-shaped)."""
+        """Round `rnd` of batch `index`: G samples for each of the P solve-group candidate
+        slots rnd * P .. rnd * P + P - 1 (P = prompts_per_batch minus the judge groups),
+        scored (and overlong-shaped; "verified" keeps the verifier's own rewards)."""
         cfg, tc = self.cfg, self.cfg.trainer
-        g, p = cfg.rollout.group_size, cfg.rollout.prompts_per_batch
+        g, p = cfg.rollout.group_size, cfg.rollout.solve_groups()
         rounds = tc.dynamic_sampling_rounds if tc.uses_dynamic_sampling() else 1
         # Candidate slots of batch i are the deterministic slice [i*R*P, (i+1)*R*P) of the
         # prompt stream (R = 1 without dynamic sampling: the plain batch slice).
@@ -121,6 +138,7 @@ class RolloutWorker:
             logps.append(out.logprobs[row, :n].tolist())
             rewards.append(get_task(q.task).verify(q, text))
         rewards = np.asarray(rewards, np.float32)
+        verified = rewards.copy()
         cache = tc.overlong_cache(cfg.sampler.max_new_tokens)
         if cache > 0:  # DAPO soft overlong punishment, added to the verifier's reward
             pen = overlong_penalty(out.lengths, cfg.sampler.max_new_tokens, cache)
@@ -133,8 +151,58 @@ class RolloutWorker:
             "texts": texts,
             "logps": logps,
             "rewards": rewards,
+            "verified": verified,
             "finished": out.finished.astype(bool),
         }
+
+    def _judge_groups(self, index: int, r: dict[str, Any]) -> dict[str, list[Any]]:
+        """The batch's judge groups (module docstring), judging solutions of round `r`."""
+        cfg = self.cfg
+        g, n_judge = cfg.rollout.group_size, cfg.rollout.judge_groups()
+        n_slots = len(r["problems"])
+        suffix = suffix_ids(self.tok)
+        rng = np.random.default_rng([cfg.seed, JUDGE_STREAM, index])
+        picks = []  # (candidate slot, row of the judged solution)
+        for j in range(n_judge):
+            slot = j % n_slots
+            rows = range(slot * g, (slot + 1) * g)
+            good = [i for i in rows if r["verified"][i] >= 1.0]
+            bad = [i for i in rows if r["verified"][i] < 1.0]
+            want, other = (good, bad) if (index + j) % 2 == 0 else (bad, good)
+            pool = want or other
+            picks.append((slot, pool[int(rng.integers(len(pool)))]))
+        contexts = [judge_context(r["completions"][i], suffix, self.tok.eos_id) for _, i in picks]
+        prompts = [r["prompts"][i] + ctx for (_, i), ctx in zip(picks, contexts, strict=True)]
+        out = self.sampler.generate(
+            self.model,
+            [pr for pr in prompts for _ in range(g)],
+            sample_keys(cfg.seed, JUDGE_STREAM, index, 0, n_judge, g),
+            max_new_tokens=VERDICT_MAX_TOKENS,
+            temperature=cfg.sampler.temperature,
+            top_k=cfg.sampler.top_k,
+            top_p=cfg.sampler.top_p,
+            dtype=cfg.sampler.dtype,
+        )
+        cols: dict[str, list[Any]] = {
+            k: [] for k in ("pos", "prob", "pr", "co", "tx", "lp", "rw", "fin", "mask")
+        }
+        for j, ((slot, i), ctx) in enumerate(zip(picks, contexts, strict=True)):
+            correct = bool(r["verified"][i] >= 1.0)
+            for s in range(g):
+                row = j * g + s
+                n = int(out.lengths[row])
+                verdict = out.tokens[row, :n].tolist()
+                completion = ctx + verdict
+                cols["pos"].append(int(r["slots"][slot]))
+                cols["prob"].append(r["problems"][slot])
+                cols["pr"].append(r["prompts"][i])
+                cols["co"].append(completion)
+                cols["tx"].append(self.tok.decode(completion))
+                cols["lp"].append([0.0] * len(ctx) + out.logprobs[row, :n].tolist())
+                cols["rw"].append(judge_reward(self.tok.decode(verdict), correct))
+                cols["fin"].append(bool(out.finished[row]))
+                cols["mask"].append([0] * len(ctx) + [1] * n)
+        return cols
 
     def generate_batch(self, index: int, version: int) -> RolloutBatch:
         """The batch: G samples for each of prompts_per_batch prompts.
@@ -145,9 +213,12 @@ class RolloutWorker:
         the batch then holds only those groups (possibly fewer, possibly none). Keys still
         depend only on (seed, batch index, candidate slot, sample), so the batch is the same
         whoever makes it. `prompt_pos` holds each group's candidate slot.
+
+        With learning to judge, P = the solve groups (prompts_per_batch - judge groups)
+        and the judge groups follow them (module docstring).
         """
         cfg, tc = self.cfg, self.cfg.trainer
-        g, p = cfg.rollout.group_size, cfg.rollout.prompts_per_batch
+        g, p = cfg.rollout.group_size, cfg.rollout.solve_groups()
         dynamic = tc.uses_dynamic_sampling()
         rounds = tc.dynamic_sampling_rounds if dynamic else 1
         parts: list[tuple[dict[str, Any], np.ndarray]] = []
@@ -175,12 +246,24 @@ class RolloutWorker:
                 cols["lp"] += [r["logps"][i] for i in rows]
                 cols["rw"] += [float(r["rewards"][i]) for i in rows]
                 fin += [bool(r["finished"][i]) for i in rows]
+        kind = ["solve"] * len(fin)
+        masks: list[list[int] | None] = [None] * len(fin)
+        n_judge = cfg.rollout.judge_groups()
+        if n_judge:
+            judge = self._judge_groups(index, parts[0][0])
+            for k in ("pos", "prob", "pr", "co", "tx", "lp", "rw"):
+                cols[k] += judge[k]
+            fin += judge["fin"]
+            kind += ["judge"] * len(judge["fin"])
+            masks += judge["mask"]
+            self.last_stats["judge_groups"] = n_judge
+            self.last_stats["judge_reward_mean"] = float(np.mean(judge["rw"]))
         return RolloutBatch(
             batch_index=index,
             prompt_pos=np.asarray(cols["pos"], np.int64),
             prompt_id=[q.problem_id for q in cols["prob"]],
             task=[q.task for q in cols["prob"]],
-            sample_index=np.tile(np.arange(g), kept),
+            sample_index=np.tile(np.arange(g), kept + n_judge),
             prompt_ids=cols["pr"],
             completion_ids=cols["co"],
             behaviour_logprobs=cols["lp"],
@@ -189,6 +272,8 @@ class RolloutWorker:
             reward=np.asarray(cols["rw"], np.float32),
             policy_version=version,
             worker_id=self.worker_id,
+            kind=kind if n_judge else None,
+            loss_mask=masks if n_judge else None,
         )
 
     def run_forever(self) -> int:
@@ -230,7 +315,12 @@ class RolloutWorker:
             self.log(
                 f"[{self.worker_id}] batch {index} v{version} reward {reward:.3f} "
                 f"{len(batch) // self.cfg.rollout.group_size} groups "
-                f"{batch.num_tokens() / dt:,.0f} tok/s"
+                + (
+                    f"(judge reward {self.last_stats['judge_reward_mean']:.3f}) "
+                    if "judge_reward_mean" in self.last_stats
+                    else ""
+                )
+                + f"{batch.num_tokens() / dt:,.0f} tok/s"
                 + ("" if committed else " (already committed by another worker; discarded)")
             )
         return self.batches_done

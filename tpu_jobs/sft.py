@@ -5,6 +5,12 @@ base model is good but imperfect and RL has something real to fix. The result is
 published as version 0 of the run's `base/` parameter server, from which the trainer
 starts when it has no checkpoint of its own.
 
+With `sft.judge_fraction` > 0 (for learning to judge), that fraction of the demonstrations
+go on with the verification suffix and a verdict, `[BOS] prompt | solution | ;ok? | v [EOS]`,
+v a fair coin or the verifier's grade of the solution (`sft.judge_labels`), so the base
+model writes verdicts where RL's judge groups ask for one. Those decisions use their own
+random stream: with judge_fraction = 0 the batches are exactly those of before.
+
     python -m tpu_jobs.sft --run RUN_URL
 """
 
@@ -22,8 +28,10 @@ import optax
 from pipeline.paramserver import ParamServer
 from pipeline.run import Run
 from pipeline.tasks import get_task
+from pipeline.tasks.judge import verdict_text
 from pipeline.tokenizer import get_tokenizer
 from tpu_jobs.batching import pack_rows, round_up
+from tpu_jobs.judge import judged_completion_len, suffix_ids
 from tpu_jobs.state import make_optimizer, new_model, params_to_flat
 
 BASE_PREFIX = "base"
@@ -37,12 +45,27 @@ def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completio
     cfg = run.config
     rng = np.random.default_rng([cfg.seed, step, 0x5F7])
     idx = rng.integers(0, len(problems), cfg.sft.batch_size)
+    judge_fraction = cfg.sft.judge_fraction
+    if judge_fraction > 0:  # own stream: the teacher's draws stay those of a plain SFT
+        jrng = np.random.default_rng([cfg.seed, step, 0x7D6E])
+        judged = jrng.random(len(idx)) < judge_fraction
+        coins = jrng.random(len(idx)) < 0.5
     prompts, completions = [], []
-    for i in idx:
+    for row, i in enumerate(idx):
         p = problems[i]
-        text = get_task(p.task).teacher_solution(p, rng, cfg.sft)
+        task = get_task(p.task)
+        text = task.teacher_solution(p, rng, cfg.sft)
         prompts.append(tok.encode_prompt(p.prompt))
-        completions.append(tok.encode_completion(text))
+        if judge_fraction > 0 and judged[row]:
+            if cfg.sft.judge_labels == "verifier":
+                verdict = verdict_text(task.verify(p, text) >= 1.0)
+            else:
+                verdict = verdict_text(bool(coins[row]))
+            completions.append(
+                [*tok.encode(text), *suffix_ids(tok), *tok.encode_completion(verdict)]
+            )
+        else:
+            completions.append(tok.encode_completion(text))
     # Pad completions only to the batch's longest, in buckets of 16: fewer wasted
     # positions, and at most completion_len / 16 compiled shapes.
     width = min(completion_len, round_up(max(len(c) for c in completions), 16))
@@ -59,6 +82,8 @@ def train_sft(run: Run, log_every: int = 25) -> dict[str, float]:
     problems = run.read_problems("train")
     prompt_len = round_up(max(len(tok.encode_prompt(p.prompt)) for p in problems), 8)
     completion_len = cfg.sampler.max_new_tokens
+    if cfg.sft.judge_fraction > 0:  # room for the suffix and the verdict
+        completion_len = judged_completion_len(completion_len, tok)
 
     fns, params = new_model(cfg.model, cfg.seed)
     tx = make_optimizer(cfg.sft.lr, cfg.sft.warmup_steps, cfg.sft.steps, cfg.sft.weight_decay, 1.0)

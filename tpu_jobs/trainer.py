@@ -27,6 +27,15 @@ the importance weight pi_old / pi_behaviour of `is_correction` ("tis": truncated
 the sampler's log-probs (classic PPO on stored log-probs). Every step logs the alignment
 of trainer and sampler (mean / max |log pi_old - log pi_behaviour|) and the IS-ratio
 statistics, whichever mode is on.
+
+Learning to judge (`rollout.judge_fraction` > 0, see tpu_jobs/rollout_worker.py): judge
+rows carry the judged solution + suffix as completion-side context with a `loss_mask` of 0,
+so the completion mask is multiplied by it and only the verdict tokens carry loss,
+advantage, KL, entropy and alignment statistics; judge groups are groups like any other
+(rewards in {0, 1}, normalised within the group). The completion slots then hold solution
++ suffix + verdict (`judge.judged_completion_len`). Each step logs `solve_reward_mean`
+and, when the batch has judge rows, `judge_reward_mean` (the judge's accuracy on the
+batch's own solutions).
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ from pipeline.storage import StorageError
 from pipeline.tokenizer import get_tokenizer
 from tpu_jobs import checkpoints
 from tpu_jobs.batching import pack_rows, pad_values, round_up
+from tpu_jobs.judge import judged_completion_len
 from tpu_jobs.losses import (
     MAX_LOG_RATIO,
     LossSpec,
@@ -290,6 +300,10 @@ class Learner:
         self.spec: LossSpec = loss_spec(tc.algorithm, **tc.loss_overrides())
         self.prompt_len = prompt_len
         self.completion_len = cfg.sampler.max_new_tokens
+        if cfg.rollout.judge_groups():  # judge rows: solution + suffix + verdict
+            self.completion_len = judged_completion_len(
+                cfg.sampler.max_new_tokens, get_tokenizer("char")
+            )
         self.group_size = cfg.rollout.group_size
         self.groups = cfg.rollout.prompts_per_batch
         self.rows = self.groups * self.group_size
@@ -443,6 +457,9 @@ class Learner:
         tokens, mask, comp_mask = pack_rows(
             prompts, completions, self.prompt_len, self.completion_len, pad_id
         )
+        if batch.loss_mask is not None:  # judge rows: only the verdict tokens are trained
+            loss_mask = [batch.token_mask(i) for i in range(n)] + [[]] * pad
+            comp_mask = comp_mask * pad_values(loss_mask, self.completion_len)
         logp_b = pad_values(list(batch.behaviour_logprobs) + [[]] * pad, self.completion_len)
         rewards = np.zeros(self.rows, np.float32)
         rewards[:n] = batch.reward
@@ -579,16 +596,35 @@ class Trainer:
         state.next_batch += 1
 
     def _dynamic_sampling_stats(self, batch: RolloutBatch) -> dict[str, Any]:
-        """Groups kept / dropped by dynamic sampling, from the candidate slots in prompt_pos."""
-        tc, p = self.cfg.trainer, self.cfg.rollout.prompts_per_batch
-        groups = len(batch) // self.cfg.rollout.group_size
+        """Groups kept / dropped by dynamic sampling, from the candidate slots in prompt_pos
+        (of the solve groups: dynamic sampling does not act on judge groups)."""
+        tc, p = self.cfg.trainer, self.cfg.rollout.solve_groups()
+        g = self.cfg.rollout.group_size
+        judge = batch.is_judge()
+        groups = len(batch) // g
+        out: dict[str, Any] = {"groups": groups}
+        if self.cfg.rollout.judge_groups():
+            out["judge_groups"] = int(judge.sum()) // g
         if not tc.uses_dynamic_sampling():
-            return {"groups": groups}
+            return out
+        solve = groups - int(judge.sum()) // g
         # Filled: every candidate slot up to the last kept one was seen; else the bound
         # was hit and all rounds * P candidates were seen.
-        full = groups == p
-        seen = int(np.max(batch.prompt_pos)) + 1 if full else tc.dynamic_sampling_rounds * p
-        return {"groups": groups, "ds_candidates": seen, "ds_dropped_groups": seen - groups}
+        full = solve == p
+        pos = batch.prompt_pos[~judge]
+        seen = int(np.max(pos)) + 1 if full and len(pos) else tc.dynamic_sampling_rounds * p
+        return {**out, "ds_candidates": seen, "ds_dropped_groups": seen - solve}
+
+    @staticmethod
+    def _reward_by_kind(batch: RolloutBatch) -> dict[str, float]:
+        """solve_reward_mean, and judge_reward_mean when the batch has judge rows."""
+        judge = batch.is_judge()
+        out = {}
+        if (~judge).any():
+            out["solve_reward_mean"] = float(batch.reward[~judge].mean())
+        if judge.any():
+            out["judge_reward_mean"] = float(batch.reward[judge].mean())
+        return out
 
     def train(self) -> TrainerState:
         tc = self.cfg.trainer
@@ -635,6 +671,7 @@ class Trainer:
                 "step": state.step,
                 "batch_index": batch.batch_index,
                 "reward_mean": float(batch.reward.mean()),
+                **self._reward_by_kind(batch),
                 "completion_tokens_mean": batch.num_tokens() / len(batch),
                 "staleness": staleness,
                 "staleness_hist": dict(state.staleness_hist),

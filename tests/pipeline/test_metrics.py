@@ -7,12 +7,18 @@ import numpy as np
 import pytest
 
 from pipeline.metrics import (
+    DIFFICULTY_BUCKETS,
     avg_at_k,
     best_of_k,
+    bootstrap_auc,
     bootstrap_ci,
+    difficulty_buckets,
+    judge_stats,
+    judge_stats_by_bucket,
     maj_at_k,
     pass_at_k,
     pass_at_k_array,
+    roc_auc,
     summarise,
 )
 
@@ -140,3 +146,112 @@ def test_summarise():
         assert lo <= mean <= hi
     with pytest.raises(ValueError, match="k=5"):
         summarise(correct, ks=(5,))
+
+
+def test_pass_at_k_array_brute_force_random():
+    # Random (n, c) pairs against enumeration of every k-subset of one arrangement.
+    rng = np.random.default_rng(7)
+    n = np.array([rng.integers(1, 8) for _ in range(20)])
+    c = np.array([rng.integers(0, ni + 1) for ni in n])
+    for k in range(1, int(n.min()) + 1):
+        brute = [
+            np.mean([any(i < ci for i in s) for s in itertools.combinations(range(ni), k)])
+            for ni, ci in zip(n, c, strict=True)
+        ]
+        np.testing.assert_allclose(pass_at_k_array(n, c, k), brute, atol=1e-12)
+
+
+def test_maj_at_k_against_counter_reference():
+    from collections import Counter
+
+    rng = np.random.default_rng(3)
+    vocab = ["1", "2", "3", None]
+    for _ in range(200):
+        answers = [vocab[i] for i in rng.integers(0, 4, 6)]
+        correct = [a == "2" for a in answers]
+        for k in range(1, 7):
+            counts = Counter(a for a in answers[:k] if a is not None)
+            if not counts:
+                expected = False
+            else:
+                top = max(counts.values())
+                winner = next(a for a in answers[:k] if a is not None and counts[a] == top)
+                expected = winner == "2"
+            assert maj_at_k(answers, correct, k) is expected, (answers, k)
+
+
+def test_roc_auc_against_pairwise_brute_force():
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        s = rng.integers(0, 5, 12).astype(float)  # many ties
+        y = rng.random(12) < 0.5
+        pos, neg = s[y], s[~y]
+        if len(pos) == 0 or len(neg) == 0:
+            assert roc_auc(s, y) is None
+            continue
+        brute = np.mean([(p > q) + 0.5 * (p == q) for p in pos for q in neg])
+        assert roc_auc(s, y) == pytest.approx(brute, abs=1e-12)
+    assert roc_auc([0.1, 0.9], [False, True]) == 1.0
+    assert roc_auc([0.9, 0.1], [False, True]) == 0.0
+    assert roc_auc([0.5, 0.5], [True, True]) is None
+
+
+def test_bootstrap_auc_resamples_problems():
+    scores = np.array([[0.9, 0.2], [0.8, 0.1], [0.3, 0.7], [0.6, 0.4]])
+    correct = np.array([[True, False], [True, False], [False, True], [True, False]])
+    auc, lo, hi = bootstrap_auc(scores, correct, n_boot=200, seed=0)
+    assert auc == 1.0 and lo == hi == 1.0  # a perfect ranking stays perfect in every resample
+    assert bootstrap_auc(scores, np.ones_like(correct), n_boot=10) is None
+
+
+def test_judge_stats_hand_computed():
+    scores = [0.9, 0.8, 0.4, 0.6, 0.2, 0.5]
+    correct = [True, False, True, True, False, False]
+    st = judge_stats(scores, correct)  # yes = [T, T, F, T, F, F] (0.5 is not > 0.5)
+    assert (st["samples"], st["correct"], st["judged_yes"], st["true_pos"]) == (6, 3, 3, 2)
+    assert st["precision"] == pytest.approx(2 / 3)
+    assert st["recall"] == pytest.approx(2 / 3)
+    assert st["accuracy"] == pytest.approx(4 / 6)  # right on 0.9, 0.6, 0.2, 0.5
+    empty = judge_stats([0.1, 0.2], [False, False])
+    assert empty["precision"] is None and empty["recall"] is None and empty["accuracy"] == 1.0
+
+
+def test_difficulty_terciles_and_precision_recall_by_bucket():
+    # 6 problems x 4 samples; pass rates 0, 1/4, 1/2, 3/4, 1, 0 -> sorted (stable, ties by
+    # problem order): p0, p5 | p1, p2 | p3, p4.
+    correct = np.array(
+        [
+            [0, 0, 0, 0],
+            [1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 1, 1, 0],
+            [1, 1, 1, 1],
+            [0, 0, 0, 0],
+        ],
+        bool,
+    )
+    assert difficulty_buckets(correct).tolist() == [0, 1, 1, 2, 2, 0]
+    assert DIFFICULTY_BUCKETS == ("hard", "medium", "easy")
+    scores = np.array(
+        [
+            [0.9, 0.1, 0.1, 0.1],  # hard: 1 false yes
+            [0.9, 0.1, 0.1, 0.1],  # medium: 1 true yes
+            [0.9, 0.9, 0.9, 0.1],  # medium: 2 true yes, 1 false yes
+            [0.1, 0.9, 0.9, 0.1],  # easy: 2 true yes, 1 miss
+            [0.9, 0.9, 0.9, 0.9],  # easy: 4 true yes
+            [0.1, 0.1, 0.1, 0.1],  # hard: nothing judged yes
+        ]
+    )
+    by = judge_stats_by_bucket(scores, correct)
+    hard, medium, easy = by["hard"], by["medium"], by["easy"]
+    assert [b["problems"] for b in (hard, medium, easy)] == [2, 2, 2]
+    assert (hard["samples"], hard["correct"], hard["judged_yes"], hard["true_pos"]) == (8, 0, 1, 0)
+    assert hard["precision"] == 0.0 and hard["recall"] is None  # no correct sample to recall
+    assert hard["accuracy"] == pytest.approx(7 / 8)
+    assert (medium["correct"], medium["judged_yes"], medium["true_pos"]) == (3, 4, 3)
+    assert medium["precision"] == pytest.approx(3 / 4) and medium["recall"] == 1.0
+    assert (medium["pass_rate_min"], medium["pass_rate_max"]) == (0.25, 0.5)
+    assert (easy["correct"], easy["judged_yes"], easy["true_pos"]) == (7, 6, 6)
+    assert easy["precision"] == 1.0 and easy["recall"] == pytest.approx(6 / 7)
+    # Near-equal terciles by rank (larger first) even when every pass rate ties.
+    assert np.bincount(difficulty_buckets(np.zeros((7, 2), bool))).tolist() == [3, 2, 2]

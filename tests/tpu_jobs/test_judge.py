@@ -1,0 +1,113 @@
+"""tpu_jobs/judge.py self-scores against two independent full-sequence forwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.config import ModelConfig
+from pipeline.tasks.judge import JUDGE_SUFFIX
+from pipeline.tokenizer import get_tokenizer
+from tpu_jobs.batching import pack_rows
+from tpu_jobs.judge import judge_sequences, self_scores, suffix_ids, verdict_ids, verdict_logprobs
+from tpu_jobs.model import flat_params, init_model, load_flat_params, sequence_logprobs
+
+CFG = ModelConfig(preset="tiny", tie_embeddings=False)
+TOK = get_tokenizer("char")
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = init_model(CFG, 0)
+    rng = np.random.default_rng(3)
+    flat = {
+        name: (
+            (1.0 + 0.1 * rng.standard_normal(v.shape))
+            if name.endswith("norm.weight")
+            else 0.3 * rng.standard_normal(v.shape)
+        ).astype(np.float32)
+        for name, v in flat_params(m).items()
+    }
+    load_flat_params(m, flat)
+    return m
+
+
+def _cases():
+    prompts = [
+        TOK.encode_prompt("12+34="),
+        TOK.encode_prompt("7*8="),
+        TOK.encode_prompt("countdown 3 4 5 to 17:"),
+        TOK.encode_prompt("1+1="),
+    ]
+    solutions = [
+        TOK.encode_completion("46#46"),  # finished (ends with EOS)
+        TOK.encode("56#5"),  # unfinished (no EOS)
+        TOK.encode_completion("3*4=12,12+5=17#17"),
+        TOK.encode_completion(""),  # only EOS
+    ]
+    return prompts, solutions
+
+
+def _reference(model, prompt, context):
+    """log p(y) and log p(n) from two forwards over the whole sequence + verdict token."""
+    out = []
+    for v in verdict_ids(TOK):
+        seq = [*prompt, *context, v]
+        tokens, mask, _ = pack_rows([seq], [[]], 64, 0)
+        lp = np.asarray(sequence_logprobs(model, tokens, mask))
+        out.append(float(lp[0, -1]))
+    return np.asarray(out)
+
+
+def test_judge_sequences_strip_eos_and_append_suffix():
+    prompts, solutions = _cases()
+    ps, cs = judge_sequences(TOK, prompts, solutions)
+    assert ps == prompts
+    suffix = suffix_ids(TOK)
+    assert TOK.decode(suffix) == JUDGE_SUFFIX
+    assert cs[0] == [*TOK.encode("46#46"), *suffix]
+    assert cs[1] == [*TOK.encode("56#5"), *suffix]  # nothing to strip
+    assert cs[3] == suffix
+    assert all(TOK.eos_id not in c for c in cs)
+    with pytest.raises(ValueError, match="one solution per prompt"):
+        judge_sequences(TOK, prompts, solutions[:2])
+
+
+def test_self_scores_match_two_full_forwards(model):
+    prompts, solutions = _cases()
+    _, contexts = judge_sequences(TOK, prompts, solutions)
+    lp = verdict_logprobs(model, TOK, prompts, solutions, batch_size=8)
+    scores = self_scores(model, TOK, prompts, solutions, batch_size=8)
+    for i, (p, c) in enumerate(zip(prompts, contexts, strict=True)):
+        ref = _reference(model, p, c)
+        np.testing.assert_allclose(lp[i], ref, atol=1e-5)
+        py, pn = np.exp(ref)
+        np.testing.assert_allclose(scores[i], py / (py + pn), atol=1e-5)
+    assert scores.shape == (4,) and scores.dtype == np.float32
+    assert np.all((scores > 0) & (scores < 1))
+    # The random model must not give every row the same score (the test would be vacuous).
+    assert np.ptp(scores) > 1e-3
+
+
+def test_scores_do_not_depend_on_batch_companions(model):
+    prompts, solutions = _cases()
+    together = self_scores(model, TOK, prompts, solutions, batch_size=4)
+    chunked = self_scores(model, TOK, prompts, solutions, batch_size=3)  # 3 + 1 (filler rows)
+    alone = np.concatenate(
+        [
+            self_scores(model, TOK, [p], [s], batch_size=4)
+            for p, s in zip(prompts, solutions, strict=True)
+        ]
+    )
+    # A long companion widens the packed shape of the others.
+    long_p, long_s = TOK.encode_prompt("9" * 40), TOK.encode_completion("1" * 50)
+    widened = self_scores(model, TOK, [*prompts, long_p], [*solutions, long_s], batch_size=8)[:4]
+    for other in (chunked, alone, widened):
+        np.testing.assert_allclose(other, together, atol=1e-5)
+    # A finished solution and the same solution without its EOS are judged identically.
+    no_eos = [s[:-1] if s and s[-1] == TOK.eos_id else s for s in solutions]
+    np.testing.assert_allclose(self_scores(model, TOK, prompts, no_eos), together, atol=1e-6)
+
+
+def test_empty_input(model):
+    assert self_scores(model, TOK, [], []).shape == (0,)

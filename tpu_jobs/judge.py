@@ -1,0 +1,178 @@
+"""Token-level self-verification: judged sequences and the model's self-score.
+
+The text format is `pipeline/tasks/judge.py`. A judged row is
+
+    [BOS] prompt | solution (no EOS) | JUDGE_SUFFIX | verdict [EOS]
+
+and the *self-score* of a solution (Self-PRM reranking, the ORM baseline, judge accuracy
+in learning-to-judge) is the model's probability of the "yes" verdict at the verdict
+position, renormalised over the two verdicts:
+
+    score = p(y) / (p(y) + p(n)) = sigmoid(logit_y - logit_n)   (temperature 1)
+
+API (stable; the evaluator and the rollout worker import it):
+
+    suffix_ids(tok) -> list[int]                       ids of JUDGE_SUFFIX
+    verdict_ids(tok) -> (yes_id, no_id)                 ids of VERDICT_YES / VERDICT_NO
+    judge_sequences(tok, prompt_ids_list, solution_ids_list) -> (prompts, contexts)
+        prompts[i] = prompt_ids_list[i] (a copy), contexts[i] = solution without a
+        trailing EOS + suffix ids; the verdict is predicted after the last context token.
+    verdict_logprobs(model, tok, prompt_ids_list, solution_ids_list, *, batch_size=256)
+        -> np.ndarray [N, 2] float32: (log p(y), log p(n)) at the verdict position under
+        the full softmax.
+    self_scores(model, tok, prompt_ids_list, solution_ids_list, *, batch_size=256)
+        -> np.ndarray [N] float32 in [0, 1]: p(y) / (p(y) + p(n)).
+    VERDICT_MAX_TOKENS = 2                              a sampled verdict: 1 token + EOS
+    judged_completion_len(max_new_tokens, tok) -> int   completion slots of a judge row
+        (learning to judge: solution + suffix + verdict in the trainer's completion).
+
+`model` is an nnx `tpu_jobs.model.Transformer` (e.g. the evaluator's `self.model` after
+`load_flat_params`). Rows are scored in chunks of `batch_size`, each packed with
+`tpu_jobs.batching.pack_rows` (prompt right-aligned, context left-aligned) into widths
+and a row count rounded up to the sampler's buckets, and run through ONE jitted forward;
+the logits are read at each row's last real position. So a run compiles a bounded number
+of shapes, swapping weights never recompiles (the weights are traced, not constants), and
+a row's score does not depend on its batch companions (padding is masked out).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pipeline.tasks.judge import JUDGE_SUFFIX, VERDICT_NO, VERDICT_YES, judge_context
+from pipeline.tokenizer import Tokenizer
+from tpu_jobs.batching import pack_rows
+from tpu_jobs.model import Transformer, positions_from_mask
+from tpu_jobs.sampler import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BUCKETS, bucket
+
+__all__ = [
+    "VERDICT_MAX_TOKENS",
+    "judge_sequences",
+    "judged_completion_len",
+    "self_scores",
+    "suffix_ids",
+    "verdict_ids",
+    "verdict_logprobs",
+]
+
+
+def suffix_ids(tok: Tokenizer) -> list[int]:
+    """Token ids of the verification suffix `JUDGE_SUFFIX`."""
+    return list(tok.encode(JUDGE_SUFFIX))
+
+
+def verdict_ids(tok: Tokenizer) -> tuple[int, int]:
+    """(yes id, no id): the single token of each verdict character."""
+    yes, no = tok.encode(VERDICT_YES), tok.encode(VERDICT_NO)
+    if len(yes) != 1 or len(no) != 1:
+        raise ValueError(
+            f"the verdicts {VERDICT_YES!r}/{VERDICT_NO!r} must be one token each; this "
+            f"tokenizer gives {yes} / {no}"
+        )
+    return int(yes[0]), int(no[0])
+
+
+# Learning to judge samples this many tokens after the suffix: the verdict, then EOS.
+VERDICT_MAX_TOKENS = 2
+
+
+def judged_completion_len(max_new_tokens: int, tok: Tokenizer) -> int:
+    """Completion slots that hold a judge row: a solution of up to `max_new_tokens` tokens
+    (its EOS, if any, dropped), the suffix and the sampled verdict tokens."""
+    return max_new_tokens + len(suffix_ids(tok)) + VERDICT_MAX_TOKENS
+
+
+def judge_sequences(
+    tok: Tokenizer,
+    prompt_ids_list: Sequence[Sequence[int]],
+    solution_ids_list: Sequence[Sequence[int]],
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, contexts) of the judged rows: the prompt unchanged, and the completion-side
+    context = solution ids without a trailing EOS + the suffix ids."""
+    if len(prompt_ids_list) != len(solution_ids_list):
+        raise ValueError(
+            f"{len(prompt_ids_list)} prompts but {len(solution_ids_list)} solutions; "
+            "pass one solution per prompt"
+        )
+    suffix = suffix_ids(tok)
+    prompts = [list(p) for p in prompt_ids_list]
+    contexts = [judge_context(s, suffix, tok.eos_id) for s in solution_ids_list]
+    return prompts, contexts
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _verdict_logprobs(graphdef, state, tokens, mask, last, yes_no):
+    model = nnx.merge(graphdef, state)
+    logits, _ = model(tokens, positions_from_mask(mask), mask)
+    at = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    logp = jax.nn.log_softmax(at, axis=-1)
+    return logp[:, yes_no]  # [B, 2]
+
+
+def verdict_logprobs(
+    model: Transformer,
+    tok: Tokenizer,
+    prompt_ids_list: Sequence[Sequence[int]],
+    solution_ids_list: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 256,
+    width_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+) -> np.ndarray:
+    """[N, 2] float32: (log p(y), log p(n)) at the verdict position of each judged row."""
+    if batch_size <= 0:
+        raise ValueError(f"batch_size={batch_size} is invalid; allowed: > 0")
+    prompts, contexts = judge_sequences(tok, prompt_ids_list, solution_ids_list)
+    n = len(prompts)
+    out = np.zeros((n, 2), np.float32)
+    if n == 0:
+        return out
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must hold at least one token (BOS)")
+    graphdef, state = nnx.split(model)
+    yes_no = jnp.asarray(verdict_ids(tok), jnp.int32)
+    batch_buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < batch_size) + (batch_size,)
+    for start in range(0, n, batch_size):
+        ps, cs = prompts[start : start + batch_size], contexts[start : start + batch_size]
+        rows = len(ps)
+        pl = bucket(max(len(p) for p in ps), width_buckets)
+        cl = bucket(max(len(c) for c in cs), width_buckets)
+        tokens, mask, _ = pack_rows(ps, cs, pl, cl, pad_id=tok.pad_id)
+        last = np.asarray([pl + len(c) - 1 for c in cs], np.int32)
+        bb = bucket(rows, batch_buckets)
+        if bb > rows:  # filler rows: copies of row 0, discarded
+            fill = bb - rows
+            tokens = np.concatenate([tokens, np.repeat(tokens[:1], fill, 0)])
+            mask = np.concatenate([mask, np.repeat(mask[:1], fill, 0)])
+            last = np.concatenate([last, np.repeat(last[:1], fill)])
+        lp = _verdict_logprobs(graphdef, state, tokens, mask, last, yes_no)
+        out[start : start + rows] = np.asarray(jax.device_get(lp))[:rows]
+    return out
+
+
+def self_scores(
+    model: Transformer,
+    tok: Tokenizer,
+    prompt_ids_list: Sequence[Sequence[int]],
+    solution_ids_list: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 256,
+    width_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+) -> np.ndarray:
+    """[N] float32: p(y) / (p(y) + p(n)) at the verdict position of each judged row."""
+    lp = verdict_logprobs(
+        model,
+        tok,
+        prompt_ids_list,
+        solution_ids_list,
+        batch_size=batch_size,
+        width_buckets=width_buckets,
+    )
+    if len(lp) == 0:
+        return np.zeros((0,), np.float32)
+    return np.asarray(jax.nn.sigmoid(lp[:, 0] - lp[:, 1]), np.float32)
