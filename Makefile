@@ -8,7 +8,7 @@ UV := $(VENV)-uv/bin/uv
 endif
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo demo-local test lint bench clean
 
 $(VENV)-uv/bin/uv:
 	$(PYTHON) -m venv $(VENV)-uv
@@ -18,7 +18,14 @@ $(STAMP): pyproject.toml uv.lock | $(UV)
 	$(UV) sync --frozen --extra test --python $(PYTHON)
 	touch $(STAMP)
 
+# The demo as a run of the rlax_rl_training DAG: a project-local Airflow (standalone,
+# LocalExecutor, SQLite, AIRFLOW_HOME=./airflow_home, 127.0.0.1) started in the background,
+# the run triggered and followed on the terminal, Airflow stopped at the end.
 demo: $(STAMP)
+	$(VENV)/bin/rlax demo --airflow $(ARGS)
+
+# The same run without Airflow: `rlax demo` starts the roles as processes itself.
+demo-local: $(STAMP)
 	$(VENV)/bin/rlax demo $(ARGS)
 
 test: $(STAMP)
@@ -37,7 +44,6 @@ clean:
 airflow: $(STAMP)
 	$(VENV)/bin/rlax airflow $(ARGS)
 
-# `rlax demo` as a run of the rlax_rl_training DAG under that Airflow.
+# Kept for old habits: `make demo` is the Airflow demo.
 .PHONY: airflow airflow-demo
-airflow-demo: $(STAMP)
-	$(VENV)/bin/rlax demo --airflow $(ARGS)
+airflow-demo: demo

@@ -34,8 +34,8 @@ import numpy as np
 from pipeline.config import ALGORITHMS, RunConfig, TrainerConfig, load_config
 from pipeline.demo import write_data
 from pipeline.run import Run
-from pipeline.tokenizer import get_tokenizer
 from tpu_jobs.evaluator import Evaluator
+from tpu_jobs.hf import run_tokenizer
 from tpu_jobs.model import load_flat_params, param_count
 from tpu_jobs.rollout_worker import RolloutWorker
 from tpu_jobs.sampler import Sampler
@@ -100,9 +100,9 @@ def prepare_base(args: argparse.Namespace, log) -> Run:
 class Shared:
     """One sampler (and its compiled programs) for every worker and evaluator."""
 
-    def __init__(self, cfg: RunConfig) -> None:
-        tok = get_tokenizer("char")
-        self.sampler = Sampler(cfg.model, pad_id=tok.pad_id, eos_id=tok.eos_id)
+    def __init__(self, base: Run) -> None:
+        tok = run_tokenizer(base)
+        self.sampler = Sampler(base.config.model, pad_id=tok.pad_id, eos_id=tok.eos_id)
         self.v0_eval: dict[str, Any] | None = None
 
 
@@ -493,7 +493,7 @@ def main() -> None:
 
     t0 = time.time()
     base = prepare_base(args, log)
-    shared = Shared(base.config)
+    shared = Shared(base)
     names = list(ALGORITHMS) if args.algorithms == "all" else args.algorithms.split(",")
     previous: dict[str, Any] = {}
     if args.only_alignment and (RESULTS / "algorithms.json").exists():

@@ -225,13 +225,12 @@ def rl_params() -> dict[str, Any]:
         "eval_k": opt_int(
             "Eval k", "Samples per held-out problem; reports pass@1 and pass@k.", 1, 256, "Eval"
         ),
-        "eval_every": Param(
-            5,
-            type="integer",
-            title="Evaluate every Nth version",
-            description="Evaluate versions 0, N, 2N, ... and the last one.",
-            minimum=1,
-            section="Eval",
+        "eval_every": opt_int(
+            "Evaluate every Nth version",
+            "Evaluate versions 0, N, 2N, ... and the last one.",
+            1,
+            100_000,
+            "Eval",
         ),
         "overrides": Param(
             [],
@@ -645,8 +644,22 @@ def add_rl_stage(run_url, ids, eval_every_param: str = "eval_every", keep_report
     @task(task_id="evaluate")
     def evaluate(run_url: str) -> str:
         """Held-out evaluation of every published version (`--version all`)."""
-        every = int(get_current_context()["params"].get(eval_every_param) or 1)
-        return evaluate_body(run_url, every)
+        from pipeline.run import Run
+
+        every = get_current_context()["params"].get(eval_every_param)
+        return evaluate_body(run_url, int(every or Run.open(run_url).config.eval.every))
+
+    @task(task_id="orm")
+    def orm(run_url: str) -> str:
+        """The ORM baseline (external verifier) on the run's labelled rollouts, when the
+        config's eval.orm is on; otherwise nothing."""
+        from pipeline.run import Run
+
+        if Run.open(run_url).config.eval.orm:
+            run_role("orm", run_url, name="orm")
+        else:
+            print("[airflow] eval.orm is off: no ORM baseline")
+        return run_url
 
     @task(task_id="report")
     def report(run_url: str) -> str:
@@ -656,6 +669,6 @@ def add_rl_stage(run_url, ids, eval_every_param: str = "eval_every", keep_report
     trained = train(run_url)
     ids >> trained
     workers = rollout_worker.partial(run_url=run_url).expand(worker_id=ids)
-    evaluated = evaluate(trained)
+    evaluated = evaluate(orm(trained))
     workers >> evaluated
     return report(evaluated)

@@ -1,6 +1,6 @@
 """### RLAX: weekly retraining (`rlax_retraining`)
 
-`curate` -> `prepare` -> (`train` || `rollout_worker` x N) -> `evaluate` -> `report` -> `register`
+`curate` -> `prepare` -> (`train` -> `orm` || `rollout_worker` x N) -> `evaluate` -> `report` -> `register`
 
 Every week (logical date D), curate the new source data of D and continue RL training
 from the latest published snapshot of a named run (the *parent*):

@@ -1,6 +1,6 @@
 """### RLAX: RL training of a language model, end to end (`rlax_rl_training`)
 
-`curate` -> `bootstrap` -> (`train` || `rollout_worker` x N) -> `evaluate` -> `report`
+`curate` -> `bootstrap` -> (`train` -> `orm` || `rollout_worker` x N) -> `evaluate` -> `report`
 
 * **curate**: create the run (config file + the Params of the trigger form) and write its
   problem data: synthetic problems from the task mix, or, when *Source data* is set, the
@@ -11,6 +11,7 @@
   the trainer consumes rollout batches and publishes weight versions; workers claim
   batch leases, sample with the newest allowed version and commit batches; they exit when
   the trainer has written `trainer/DONE.json`.
+* **orm**: the ORM baseline when the config's `eval.orm` is on (docs/evaluation.md).
 * **evaluate**: every published version (`--version all`, every *N*th plus the last).
 * **report**: `report/report.md` + `report/curves.png` in the run directory.
 

@@ -367,14 +367,22 @@ def task_label(ti: Mapping[str, Any]) -> str:
 
 
 class ProgressPrinter:
-    """Prints task state changes (and the trainer's step) of a DAG run as they happen."""
+    """Prints task state changes of a DAG run as they happen, and the progress the roles
+    record in the run's metrics streams (SFT step, trainer step)."""
 
-    def __init__(self, out=None, run_url: str | None = None, steps: int | None = None) -> None:
+    def __init__(
+        self,
+        out=None,
+        run_url: str | None = None,
+        steps: int | None = None,
+        sft_steps: int | None = None,
+    ) -> None:
         self.out = out or sys.stdout
         self.states: dict[str, tuple[str | None, int]] = {}
         self.run_url = run_url
-        self.steps = steps
-        self.last_step = -1
+        # metrics stream -> (label, total steps or None)
+        self.streams = {"sft": ("SFT step", sft_steps), "train": ("trainer step", steps)}
+        self.last: dict[str, int] = {}
         self.t0 = time.monotonic()
 
     def _print(self, text: str) -> None:
@@ -388,23 +396,26 @@ class ProgressPrinter:
                 self.states[key] = state
                 tries = f" (try {state[1]})" if state[1] > 1 else ""
                 self._print(f"{task_label(ti):<24} {state[0] or 'waiting'}{tries}")
-        self._trainer_step()
+        self._metrics_progress()
 
-    def _trainer_step(self) -> None:
+    def _metrics_progress(self) -> None:
         if not self.run_url:
             return
         try:
             from pipeline.storage import open_store
 
-            keys = open_store(self.run_url).list("metrics/train/")
+            store = open_store(self.run_url)
+            latest = {s: store.list(f"metrics/{s}/") for s in self.streams}
         except Exception:  # noqa: BLE001 - progress is best effort; the run may not exist yet
             return
-        if keys:
+        for stream, keys in latest.items():
+            if not keys:
+                continue
             step = int(keys[-1].rsplit("/", 1)[-1].split(".")[0])
-            if step != self.last_step:
-                self.last_step = step
-                total = f"/{self.steps}" if self.steps else ""
-                self._print(f"trainer step {step}{total}")
+            if step != self.last.get(stream):
+                self.last[stream] = step
+                label, total = self.streams[stream]
+                self._print(f"{label} {step}" + (f"/{total}" if total else ""))
 
 
 # ------------------------------------------------------------------ commands
@@ -442,6 +453,7 @@ def run_dag(
     timeout: float = 6 * 3600,
     run_url: str | None = None,
     steps: int | None = None,
+    sft_steps: int | None = None,
 ) -> tuple[str, str]:
     """Start Airflow, trigger `dag_id` with `conf`, follow it, stop Airflow.
 
@@ -456,7 +468,10 @@ def run_dag(
         run_id = af.trigger(dag_id, conf)
         print(f"triggered {dag_id} run {run_id} with conf {json.dumps(dict(conf))}")
         state = af.wait_for_run(
-            dag_id, run_id, timeout, ProgressPrinter(run_url=run_url, steps=steps)
+            dag_id,
+            run_id,
+            timeout,
+            ProgressPrinter(run_url=run_url, steps=steps, sft_steps=sft_steps),
         )
         if state != "success":
             for ti in af.task_instances(dag_id, run_id):
@@ -504,6 +519,7 @@ def demo_via_airflow(
         parallelism=max(8, cfg.workers + 2),  # trainer + every worker at once, + headroom
         run_url=url,
         steps=cfg.trainer.steps,
+        sft_steps=cfg.sft.steps,
     )
     took = f"{time.monotonic() - t0:.0f}s"
     if state != "success":

@@ -10,11 +10,12 @@
     rlax pass-rates --run URL --data GLOB --k 8 [--version V]  (for beam_jobs.curate)
     rlax report --run URL
     rlax tensorboard --run URL [--logdir DIR] [--follow]   metrics -> TensorBoard event files
-    rlax import-hf PATH --run URL                          HF checkpoint -> the run's base
+    rlax import-hf PATH --run URL                          HF checkpoint (+ tokenizer) -> base
     rlax airflow [--port N]                                 serve a local Airflow (UI)
     rlax chaos  [--config FILE] [--kills 20] [--out FILE]   kill -9 at random, compare
 
-Overrides are dotted config paths, e.g. `trainer.lr=3e-4 task.families=arithmetic`.
+Overrides are dotted config paths, e.g. `trainer.lr=3e-4 task.families=arithmetic` or
+`mesh.trainer=[1,-1,1]` (device meshes, docs/scaling.md).
 Job roles run as their own processes through `pipeline.launcher`, the same command a
 cluster would run.
 """
@@ -55,11 +56,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
             overrides=args.overrides,
             run=args.run,
             workers=args.workers,
-            eval_every=args.eval_every,
+            eval_every=args.eval_every or cfg.eval.every,
         )
     url = args.run or f"{cfg.storage.root.rstrip('/')}/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     run = Run.create(url, cfg)
-    run_demo(run, workers=cfg.workers, eval_every=args.eval_every)
+    run_demo(run, workers=cfg.workers, eval_every=args.eval_every or cfg.eval.every)
     return 0
 
 
@@ -164,7 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--run", help="run URL (default: {storage.root}/demo-TIMESTAMP)")
     p.add_argument("--workers", type=int, help="number of rollout worker processes")
-    p.add_argument("--eval-every", type=int, default=20, help="evaluate every Nth version")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=None,
+        help="evaluate versions 0, N, 2N, ... and the last (default: the config's eval.every)",
+    )
     p.add_argument(
         "--airflow",
         action="store_true",

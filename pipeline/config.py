@@ -35,6 +35,8 @@ def _one_of(name: str, value: Any, choices: Iterable[str]) -> None:
     _check(value in choices, name, value, "one of " + ", ".join(map(repr, choices)))
 
 
+TOKENIZER_NAMES = ("char", "hf")
+
 # Named model sizes. Field names follow Hugging Face's LlamaConfig/Qwen2Config.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
@@ -64,6 +66,10 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq_len: int = 256
     dtype: str = "float32"  # activation/compute dtype; params stay float32
+    # Text <-> ids for every role: "char" (pipeline.tokenizer.CharTokenizer) or "hf" (the
+    # tokenizer.json imported with the run's base, `rlax import-hf`; chat template applied
+    # to prompts when it has one). `tpu_jobs.hf.run_tokenizer(run)` returns it.
+    tokenizer: str = "char"
 
     def __post_init__(self) -> None:
         _one_of("model.preset", self.preset, MODEL_PRESETS)
@@ -84,6 +90,7 @@ class ModelConfig:
         _check(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "an even number (RoPE)")
         _check(isinstance(self.qk_norm, bool), "model.qk_norm", self.qk_norm, "true or false")
         _one_of("model.dtype", self.dtype, ("float32", "bfloat16"))
+        _one_of("model.tokenizer", self.tokenizer, TOKENIZER_NAMES)
 
 
 @dataclass(frozen=True)
@@ -490,12 +497,16 @@ class EvalConfig:
     temperature: float = 1.0
     bootstrap: int = 1000
     batch_size: int = 256
+    # Evaluate versions 0, every, 2 * every, ... and the last (`rlax demo`, the DAG).
+    every: int = 20
     # Self-PRM: score every sample with the evaluated version's own p(y)/(p(y)+p(n))
     # (docs/evaluation.md); off skips that forward pass and the self_prm@k / judge metrics.
     self_prm: bool = True
     # ORM baseline (tpu_jobs/orm.py): "" = the run's own model config (initialised from the
     # SFT base weights), or a MODEL_PRESETS name (a different shape: trained from scratch).
     orm_preset: str = ""
+    # Train the ORM after RL, before evaluation, in `rlax demo` (and the DAG's orm task).
+    orm: bool = False
     orm_steps: int = 300
     orm_batch_size: int = 32
     orm_lr: float = 1e-3
@@ -503,7 +514,9 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _check(self.num_problems > 0, "eval.num_problems", self.num_problems, "> 0")
+        _check(self.every >= 1, "eval.every", self.every, ">= 1")
         _check(isinstance(self.self_prm, bool), "eval.self_prm", self.self_prm, "true or false")
+        _check(isinstance(self.orm, bool), "eval.orm", self.orm, "true or false")
         if self.orm_preset:
             _one_of("eval.orm_preset", self.orm_preset, ("", *MODEL_PRESETS))
         _check(self.orm_steps >= 0, "eval.orm_steps", self.orm_steps, ">= 0")
@@ -528,6 +541,49 @@ class StorageConfig:
         _check(bool(self.root), "storage.root", self.root, "a local path or gs://bucket/prefix")
 
 
+MESH_AXES = ("data", "fsdp", "tensor")  # = tpu_jobs.mesh.AXES (this module imports no jax)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device meshes of the roles (`tpu_jobs/mesh.py`, docs/scaling.md).
+
+    A shape is (data, fsdp, tensor); one entry may be -1 (all remaining devices). None
+    (the default) = one device, nothing sharded. `trainer` places the train state and
+    batches (the rollout batch's rows, prompts_per_batch * group_size, and micro-batches
+    must be multiples of data * fsdp); `sampler` is the mesh of the rollout workers, the
+    evaluator and pass-rate jobs (usually (-1, 1, 1): data parallel; never fsdp). Each role
+    is normally its own process and uses all of its devices; roles sharing a process get
+    disjoint device slices (`tpu_jobs.mesh.config_meshes`). `distributed`: the trainer
+    calls `jax.distributed.initialize` first (multi-host: coordinator from RLAX_COORDINATOR
+    / RLAX_NUM_PROCESSES / RLAX_PROCESS_ID, else auto-detected on TPU pods, Slurm, Open MPI).
+    """
+
+    trainer: tuple[int, ...] | None = None
+    sampler: tuple[int, ...] | None = None
+    distributed: bool = False
+
+    def __post_init__(self) -> None:
+        for name, kind in _optional_types(type(self)).items():
+            value = getattr(self, name)
+            if value is None:
+                continue
+            value = _coerce(value, kind, f"mesh.{name}")
+            object.__setattr__(self, name, value)
+            _check(
+                len(value) == len(MESH_AXES)
+                and all(s >= 1 or s == -1 for s in value)
+                and value.count(-1) <= 1,
+                f"mesh.{name}",
+                list(value),
+                f"null (one device) or {len(MESH_AXES)} sizes for {MESH_AXES}, each >= 1 or "
+                "-1 (all remaining devices, at most one entry)",
+            )
+        _check(
+            isinstance(self.distributed, bool), "mesh.distributed", self.distributed, "true/false"
+        )
+
+
 @dataclass(frozen=True)
 class RunConfig:
     seed: int = 0
@@ -540,6 +596,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
         _check(self.workers >= 1, "workers", self.workers, ">= 1")

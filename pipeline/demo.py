@@ -141,6 +141,17 @@ def run_demo(run: Run, workers: int, eval_every: int) -> str:
     finally:
         fleet.stop()
 
+    if cfg.eval.orm:
+        print("[3b/5] ORM baseline: an external verifier trained on the run's labelled rollouts")
+        fleet = Fleet(run)
+        fleet.start("orm", "orm")
+        while fleet.alive("orm"):
+            fleet.check()
+            time.sleep(1.0)
+        fleet.check()
+        for line in (log_dir(run) / "orm.log").read_text().splitlines()[-3:]:
+            print("  " + line)
+
     print("[4/5] held-out evaluation of published versions")
     fleet = Fleet(run)
     fleet.start("eval", "eval", ("--version", "all", "--every", str(eval_every)))

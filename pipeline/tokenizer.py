@@ -7,8 +7,10 @@ encoded as `[BOS] + encode(text)` and a completion as `encode(text) + [EOS]`.
 families write) to one id after the specials, so `vocab_size = 4 + len(CHARSET) <= 64`
 (the default `ModelConfig.vocab_size`). Characters outside the charset encode to UNK and
 never raise: model text and adversarial answers must always round-trip through the
-pipeline. A Hugging Face `tokenizers.Tokenizer` can satisfy the same protocol through a
-thin adapter that subclasses `TokenizerBase` and maps the specials.
+pipeline. A Hugging Face `tokenizers.Tokenizer` satisfies the same protocol through
+`tpu_jobs.hf.HFTokenizer`; a run picks its tokenizer with `model.tokenizer` ("char" or
+"hf", the one imported with its base) and every role gets it from
+`tpu_jobs.hf.run_tokenizer(run)`.
 """
 
 from __future__ import annotations

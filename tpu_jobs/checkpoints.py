@@ -7,6 +7,10 @@ interrupted by a kill never hides the previous good step.
 
 Leaves are stored as a flat numbered dict and re-assembled with the live tree
 structure: the pytree types of NNX/Optax state need no Orbax-specific handling.
+Sharded state (a trainer mesh): leaves spanning several hosts are handed to Orbax as
+global arrays (each process writes its shards); on restore every leaf gets the sharding of
+the template's leaf (Orbax reads each device's slice), so a checkpoint restores onto the
+mesh it is restored for, whichever mesh wrote it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,22 @@ def _require_gcsfs(url: str) -> None:
         ) from None
 
 
+def _host_or_global(x: Any) -> Any:
+    """A host copy (the caller may donate the device buffers right after `save`), except
+    for arrays spanning processes, which only Orbax can write (shard by shard)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x
+    return np.asarray(x)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """The restore target of a template leaf: shape, dtype and, for a JAX array, its
+    sharding (Orbax then places each shard on its device)."""
+    sharding = x.sharding if isinstance(x, jax.Array) else None
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
+
+
 class TrainerCheckpoints:
     def __init__(self, run: Run, keep: int = 2, async_save: bool = True) -> None:
         options = ocp.CheckpointManagerOptions(
@@ -51,7 +71,7 @@ class TrainerCheckpoints:
         )
 
     def save(self, step: int, tree: Any, meta: dict[str, Any]) -> None:
-        leaves = {f"{i:05d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(tree))}
+        leaves = {f"{i:05d}": _host_or_global(x) for i, x in enumerate(jax.tree.leaves(tree))}
         self.manager.save(
             step,
             args=ocp.args.Composite(
@@ -67,10 +87,7 @@ class TrainerCheckpoints:
         if step is None:
             return None
         leaves, treedef = jax.tree.flatten(template)
-        abstract = {
-            f"{i:05d}": jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
-            for i, x in enumerate(leaves)
-        }
+        abstract = {f"{i:05d}": _abstract(x) for i, x in enumerate(leaves)}
         out = self.manager.restore(
             step,
             args=ocp.args.Composite(

@@ -16,7 +16,8 @@ Writes `eval/v{N:08d}.parquet` (one row per sample) create-only and a summary re
 under `metrics/eval/`; a version already evaluated is skipped. Every version is sampled
 with the same keys (common random numbers), so differences between versions are not
 sampling noise of the keys; the key of sample s of problem p does not depend on n, so
-the first n samples of a larger evaluation are those of a smaller one.
+the first n samples of a larger evaluation are those of a smaller one. Prompts are encoded
+with the run's tokenizer (`model.tokenizer`); `mesh.sampler` samples on a device mesh.
 
 `--k` overrides `eval.ks`; n becomes max(eval.num_samples, max k). Records are
 immutable, so an evaluation whose (n, ks) differs from the config's goes to its own
@@ -50,11 +51,12 @@ from pipeline.metrics import (
 from pipeline.paramserver import ParamServer
 from pipeline.run import DONE_KEY, Run
 from pipeline.tasks import get_task
-from pipeline.tokenizer import get_tokenizer
+from tpu_jobs import mesh as meshlib
+from tpu_jobs.hf import run_tokenizer
 from tpu_jobs.judge import self_scores
 from tpu_jobs.model import init_model, load_flat_params
 from tpu_jobs.orm import load_orm
-from tpu_jobs.rollout_worker import sample_keys
+from tpu_jobs.rollout_worker import sample_keys, sampler_mesh
 from tpu_jobs.sampler import Sampler
 
 EVAL_STREAM = 0xE7A1
@@ -150,15 +152,21 @@ def judge_report(scores: dict[str, np.ndarray], correct: np.ndarray) -> dict[str
 
 
 class Evaluator:
-    def __init__(self, run: Run, *, ks=None, log=print) -> None:
+    """`mesh`: the sampler's device mesh; None takes `mesh.sampler` of the run config
+    (None there too: one device)."""
+
+    def __init__(self, run: Run, *, ks=None, log=print, mesh: Any = None) -> None:
         self.run = run
         self.cfg = run.config
         self.log = log
         self.ps = ParamServer(run.store)
-        self.tok = get_tokenizer("char")
+        self.tok = run_tokenizer(run)
         self.problems = run.read_problems("eval")[: self.cfg.eval.num_problems]
+        self.mesh = mesh or sampler_mesh(self.cfg, "evaluator")
         self.model = init_model(self.cfg.model, self.cfg.seed)
-        self.sampler = Sampler(self.cfg.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id)
+        self.sampler = Sampler(
+            self.cfg.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, mesh=self.mesh
+        )
         ec = self.cfg.eval
         self.ks = tuple(sorted({int(k) for k in ks})) if ks else tuple(ec.ks)
         self.n = max(ec.num_samples, max(self.ks))
@@ -204,6 +212,8 @@ class Evaluator:
     def _sample_and_score(self, version: int, server: ParamServer) -> pa.Table:
         ec = self.cfg.eval
         load_flat_params(self.model, server.pull(version).tensors)
+        if self.mesh is not None:
+            meshlib.shard_model(self.model, self.mesh)
         n = self.n
         rows = [(pi, s) for pi in range(len(self.problems)) for s in range(n)]
         keys = sample_keys(self.cfg.seed, EVAL_STREAM, 0, 0, len(self.problems), n)

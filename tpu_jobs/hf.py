@@ -14,8 +14,9 @@ directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 `import` publishes the weights as version 0 of the run's `base/` parameter server (where the
 trainer starts from, like the SFT bootstrap) and copies config/tokenizer files to
 `base/hf/`. A run that does not exist yet is created (config file + overrides, with the
-model section taken from the checkpoint) together with its data, like `rlax init`; an
-existing run must have the checkpoint's architecture. `export` writes version V of the
+model section taken from the checkpoint, and `model.tokenizer=hf` when the checkpoint has
+a tokenizer.json: every role then encodes with it, `run_tokenizer`) together with its data,
+like `rlax init`; an existing run must have the checkpoint's architecture. `export` writes version V of the
 run's trained weights (or of its base with `--base`) with the original config's extra
 fields (token ids, max positions) and tokenizer files when the base came from an import.
 
@@ -27,6 +28,7 @@ checkpoints need neither torch nor network; weights are loaded as float32.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import struct
 import sys
@@ -39,7 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from pipeline.config import ModelConfig
-from pipeline.tokenizer import REPLACEMENT, TokenizerBase
+from pipeline.tokenizer import REPLACEMENT, Tokenizer, TokenizerBase, get_tokenizer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -655,6 +657,13 @@ class HFTokenizer(TokenizerBase):
 
 def _render_template(template: str, **context: Any) -> str:
     """Jinja rendering with the environment transformers uses for chat templates."""
+    return _compile_template(template).render(**context)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(template: str) -> Any:
+    """The compiled chat template (compiling costs ~1000x a render; roles encode every
+    problem's prompt)."""
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -679,7 +688,7 @@ def _render_template(template: str, **context: Any) -> str:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    return env.from_string(template).render(**context)
+    return env.from_string(template)
 
 
 def load_tokenizer(directory: str | Path, **kwargs: Any) -> HFTokenizer:
@@ -704,6 +713,29 @@ def load_run_tokenizer(run: Any, **kwargs: Any) -> HFTokenizer | None:
         if not (Path(tmp) / "tokenizer.json").is_file():
             return None
         return HFTokenizer.from_dir(tmp, **kwargs)
+
+
+def run_tokenizer(run: Any) -> Tokenizer:
+    """The tokenizer every role of `run` uses (`model.tokenizer`): the char tokenizer, or
+    for "hf" the one imported with the run's base model (`base/hf/tokenizer.json`; prompts
+    rendered with its chat template when it has one)."""
+    cfg = run.config.model
+    if cfg.tokenizer == "char":
+        return get_tokenizer("char")
+    tok = load_run_tokenizer(run)
+    if tok is None:
+        raise HFError(
+            f"run {run.url} has model.tokenizer=hf but its base has no imported tokenizer "
+            f"(base/{HF_PREFIX}/tokenizer.json); import a checkpoint directory that holds "
+            f"tokenizer.json (`rlax import-hf PATH --run NEW_RUN`), or use model.tokenizer=char"
+        )
+    if tok.vocab_size > cfg.vocab_size:
+        raise HFError(
+            f"run {run.url}: the imported tokenizer has {tok.vocab_size} tokens, more than "
+            f"model.vocab_size={cfg.vocab_size} (the embedding rows); import a matching "
+            "tokenizer.json with the checkpoint"
+        )
+    return tok
 
 
 # --------------------------------------------------------------------------- runs
@@ -751,8 +783,10 @@ def import_to_run(
             log(f"[hf] run {run_url} exists: --config and overrides are ignored")
         cfg = run.config
     else:
-        model = {f: getattr(hf_model_cfg, f) for f in ARCH_FIELDS}
+        model: dict[str, Any] = {f: getattr(hf_model_cfg, f) for f in ARCH_FIELDS}
         model["max_seq_len"] = hf_model_cfg.max_seq_len
+        if (path / "tokenizer.json").is_file():  # the roles use it (an override may not)
+            model["tokenizer"] = "hf"
         cfg = load_config(config_path, overrides, extra={"model": model})
     diff = _arch_diff(cfg.model, hf_model_cfg)
     if diff:  # checked before creating anything
@@ -762,6 +796,13 @@ def import_to_run(
             + ", ".join(f"model.{k}={v[0]!r} (checkpoint: {v[1]!r})" for k, v in diff.items())
             + "; import into a new run, or create it with: "
             + " ".join(model_overrides(hf_model_cfg))
+        )
+    if cfg.model.tokenizer == "hf" and not (path / "tokenizer.json").is_file():
+        raise HFError(
+            f"{path} has no tokenizer.json, but run {run_url} "
+            f"{'has' if existing else 'would have'} model.tokenizer=hf; import a checkpoint "
+            "directory with its tokenizer.json (fast tokenizers only), or use "
+            "model.tokenizer=char"
         )
     created = not existing
     if created:

@@ -111,6 +111,35 @@ def role_meshes(
     return out
 
 
+def config_meshes(
+    mesh_cfg: Any, roles: Sequence[str], devices: Sequence[Any] | None = None
+) -> dict[str, Mesh | None]:
+    """The meshes of `roles` ("trainer", "sampler") from a run config's `mesh` section
+    (`pipeline.config.MeshConfig`); None for a role whose shape is None (one device,
+    nothing sharded).
+
+    One sharded role (a role's own process, the usual deployment): a mesh over all the
+    `devices` (default `jax.devices()`). Several (roles sharing one process): disjoint
+    consecutive device slices in `roles` order (`role_meshes`).
+    """
+    shapes = {r: getattr(mesh_cfg, r) for r in roles if getattr(mesh_cfg, r) is not None}
+    out: dict[str, Mesh | None] = dict.fromkeys(roles)
+    try:
+        if len(shapes) == 1:
+            ((role, shape),) = shapes.items()
+            out[role] = make_mesh(shape, devices)
+        elif shapes:
+            out.update(role_meshes(shapes, devices))
+    except ValueError as err:
+        n = len(jax.devices() if devices is None else devices)
+        given = ", ".join(f"mesh.{r}={list(s)}" for r, s in shapes.items())
+        raise ValueError(
+            f"{given} on the {n} device(s) of this process: {err}; set the run config's "
+            "mesh section for this machine (null = one device)"
+        ) from None
+    return out
+
+
 def initialize_distributed(
     coordinator_address: str | None = None,
     num_processes: int | None = None,

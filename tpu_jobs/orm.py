@@ -52,8 +52,8 @@ from pipeline.metrics import roc_auc
 from pipeline.paramserver import ParamServer
 from pipeline.rollouts import from_parquet_bytes
 from pipeline.run import Run, RunError
-from pipeline.tokenizer import get_tokenizer
 from tpu_jobs.batching import pack_rows, round_up
+from tpu_jobs.hf import run_tokenizer
 from tpu_jobs.judge import judge_sequences, self_scores, verdict_ids
 from tpu_jobs.model import Transformer, init_model, load_flat_params
 from tpu_jobs.sft import base_server
@@ -178,7 +178,7 @@ def train_orm(run: Run, *, log=print, log_every: int = 25) -> dict[str, Any]:
         summary = run.read_metrics("orm")
         return summary[0] if summary else {}
     t0 = time.time()
-    tok = get_tokenizer("char")
+    tok = run_tokenizer(run)
     data = labelled_rollouts(run)
     if not data["label"]:
         raise RunError(

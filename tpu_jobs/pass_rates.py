@@ -36,9 +36,10 @@ from pipeline.run import Run
 from pipeline.storage import open_store
 from pipeline.tasks import TASKS
 from pipeline.tasks.base import Problem
-from pipeline.tokenizer import get_tokenizer
+from tpu_jobs import mesh as meshlib
+from tpu_jobs.hf import run_tokenizer
 from tpu_jobs.model import init_model, load_flat_params
-from tpu_jobs.rollout_worker import sample_keys
+from tpu_jobs.rollout_worker import sample_keys, sampler_mesh
 from tpu_jobs.sampler import Sampler
 
 PASS_RATE_STREAM = 0x9A55  # domain separator: pass-rate keys vs rollout/eval keys
@@ -117,10 +118,13 @@ def pass_rates(
     """Sample k completions per problem with one weight version and score them."""
     cfg = run.config
     snapshot = ParamServer(run.store).pull(version)
-    tok = get_tokenizer("char")
+    tok = run_tokenizer(run)
+    mesh = sampler_mesh(cfg, "pass-rate job")
     model = init_model(cfg.model, cfg.seed)
     load_flat_params(model, snapshot.tensors)
-    sampler = Sampler(cfg.model, pad_id=tok.pad_id, eos_id=tok.eos_id)
+    if mesh is not None:
+        meshlib.shard_model(model, mesh)
+    sampler = Sampler(cfg.model, pad_id=tok.pad_id, eos_id=tok.eos_id, mesh=mesh)
     temperature = cfg.sampler.temperature if temperature is None else temperature
     batch_size = batch_size or cfg.eval.batch_size
     keys = sample_keys(cfg.seed, PASS_RATE_STREAM, snapshot.version, 0, len(problems), k)

@@ -9,6 +9,8 @@ for each of the batch's prompts with the pinned policy version
 the batch create-only. Sampling keys derive from (seed, batch index, prompt position,
 sample index) only, so whichever worker produces a batch, it is the same batch.
 A snapshot that fails its checksums is refused and the worker keeps its weights.
+Text is encoded with the run's tokenizer (`model.tokenizer`, `tpu_jobs.hf.run_tokenizer`);
+with `mesh.sampler` set, the worker samples on a mesh of all its devices (docs/scaling.md).
 
 DAPO's rollout side (Yu et al. 2025), on when the trainer config asks for it
 (`TrainerConfig.uses_dynamic_sampling` / `overlong_cache`, DAPO preset): dynamic sampling
@@ -55,7 +57,8 @@ from pipeline.run import DONE_KEY, Run
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks import get_task
 from pipeline.tasks.judge import judge_context, judge_reward
-from pipeline.tokenizer import get_tokenizer
+from tpu_jobs import mesh as meshlib
+from tpu_jobs.hf import run_tokenizer
 from tpu_jobs.judge import VERDICT_MAX_TOKENS, suffix_ids
 from tpu_jobs.losses import filter_constant_groups, overlong_penalty
 from tpu_jobs.model import init_model, load_flat_params
@@ -73,18 +76,38 @@ def sample_keys(seed: int, stream: int, index: int, group: int, count: int, size
     return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompt, sample)
 
 
+def sampler_mesh(cfg: Any, role: str) -> jax.sharding.Mesh | None:
+    """The sampler mesh of `mesh.sampler` (None: one device) for a job that uses all the
+    devices of its process. Sampling jobs are single-process: each host runs its own."""
+    if jax.process_count() > 1:
+        raise RuntimeError(
+            f"the {role} is a single-process job (it claims its own work), but JAX sees "
+            f"{jax.process_count()} processes; run one {role} per host on single-host "
+            "machines (mesh.distributed applies to the trainer only)"
+        )
+    return meshlib.config_meshes(cfg.mesh, ("sampler",))["sampler"]
+
+
 class RolloutWorker:
-    def __init__(self, run: Run, worker_id: str, *, log=print) -> None:
+    """`mesh`: the sampler's device mesh; None takes `mesh.sampler` of the run config
+    (None there too: one device)."""
+
+    def __init__(
+        self, run: Run, worker_id: str, *, log=print, mesh: jax.sharding.Mesh | None = None
+    ) -> None:
         self.run = run
         self.cfg = run.config
         self.worker_id = worker_id
         self.log = log
         self.ps = ParamServer(run.store)
         self.leases = BatchLeases(run.store, ttl_seconds=self.cfg.rollout.lease_seconds)
-        self.tok = get_tokenizer("char")
+        self.tok = run_tokenizer(run)
         self.problems = run.read_problems("train")
+        self.mesh = mesh or sampler_mesh(self.cfg, "rollout worker")
         self.model = init_model(self.cfg.model, self.cfg.seed)
-        self.sampler = Sampler(self.cfg.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id)
+        self.sampler = Sampler(
+            self.cfg.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, mesh=self.mesh
+        )
         self.version: int | None = None
         self._stop = False
         self.batches_done = 0
@@ -102,6 +125,8 @@ class RolloutWorker:
             self.log(f"[{self.worker_id}] refused v{version}: {err}; keeping v{self.version}")
             return False
         load_flat_params(self.model, snap.tensors)
+        if self.mesh is not None:  # place the weights once, not per generate call
+            meshlib.shard_model(self.model, self.mesh)
         self.version = version
         return True
 

@@ -29,8 +29,8 @@ from pipeline.paramserver import ParamServer
 from pipeline.run import Run
 from pipeline.tasks import get_task
 from pipeline.tasks.judge import verdict_text
-from pipeline.tokenizer import get_tokenizer
 from tpu_jobs.batching import pack_rows, round_up
+from tpu_jobs.hf import run_tokenizer
 from tpu_jobs.judge import judged_completion_len, suffix_ids
 from tpu_jobs.state import make_optimizer, new_model, params_to_flat
 
@@ -78,7 +78,7 @@ def train_sft(run: Run, log_every: int = 25) -> dict[str, float]:
     if 0 in server.versions():
         print(f"[sft] base model already published at {run.url}/{BASE_PREFIX}; skipping")
         return {}
-    tok = get_tokenizer("char")
+    tok = run_tokenizer(run)
     problems = run.read_problems("train")
     prompt_len = round_up(max(len(tok.encode_prompt(p.prompt)) for p in problems), 8)
     completion_len = cfg.sampler.max_new_tokens

@@ -46,7 +46,9 @@ def params_to_flat(fns: ModelFns, params: Any) -> dict[str, np.ndarray]:
 
 
 def flat_to_params(fns: ModelFns, params_like: Any, flat: dict[str, np.ndarray]) -> Any:
-    model = fns.merge(params_like)
+    """New params with the values of `flat`; `params_like` (shapes, dtypes) is left as is
+    (merging it directly would share its variables, and loading would overwrite them)."""
+    model = fns.merge(jax.tree.map(lambda x: x, params_like))
     load_flat_params(model, flat)
     return nnx.split(model, nnx.Param, ...)[1]
 

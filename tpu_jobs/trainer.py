@@ -5,7 +5,10 @@
 Load order at start: this run's latest Orbax checkpoint (policy and value-head params,
 optimizer state, step, next batch index, counters); else the base model (`base/` snapshot
 written by the SFT bootstrap or an HF import). Every start takes a new epoch (fencing
-token), so an older trainer still running somewhere can no longer publish.
+token), so an older trainer still running somewhere can no longer publish. Text is encoded
+with the run's tokenizer (`model.tokenizer`). With `mesh.trainer` set, the train state and
+batches live on a mesh of all the process's devices (`Learner`, docs/scaling.md); with
+`mesh.distributed`, `jax.distributed` starts first (multi-host, see `Trainer`).
 
 Step t reads batch t (so replay is deterministic), drops it if it is more than
 `max_staleness` versions old (or holds no group at all, see DAPO below), computes the
@@ -65,9 +68,11 @@ from pipeline.retention import apply_retention
 from pipeline.rollouts import RolloutBatch, from_parquet_bytes
 from pipeline.run import DONE_KEY, Run
 from pipeline.storage import StorageError
-from pipeline.tokenizer import get_tokenizer
+from pipeline.tokenizer import Tokenizer, get_tokenizer
 from tpu_jobs import checkpoints
+from tpu_jobs import mesh as meshlib
 from tpu_jobs.batching import pack_rows, pad_values, round_up
+from tpu_jobs.hf import run_tokenizer
 from tpu_jobs.judge import judged_completion_len
 from tpu_jobs.losses import (
     MAX_LOG_RATIO,
@@ -281,6 +286,19 @@ def apply_program(
 _add_trees = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
 
 
+def _keep_shardings(apply_fn, state):
+    """`apply_fn` whose new (params, opt_state) are constrained to the shardings of
+    `state` = (params, opt_state)."""
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+
+    def apply(params, opt_state, grads):
+        params, opt_state, grad_norm = apply_fn(params, opt_state, grads)
+        params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), shardings)
+        return params, opt_state, grad_norm
+
+    return apply
+
+
 class Learner:
     """The trainer's math for one run config: train state and the update of one step.
 
@@ -292,17 +310,37 @@ class Learner:
     once per model and shape and serve every objective (each objective adds a small head
     program). `fused` (default: trainer.fused_step) makes a single-update step one jitted
     program instead; on XLA:CPU that measured slower (benchmarks/results/trainer.md).
+
+    `mesh` (tpu_jobs.mesh): the train state is placed by `mesh.PARAM_RULES` (`init_state`,
+    `place`) and each step's batch split over data x fsdp, so every micro-batch (the whole
+    batch by default) must hold a multiple of data * fsdp rows. The programs are the same
+    (GSPMD propagates the shardings). `tokenizer`: the run's (`tpu_jobs.hf.run_tokenizer`),
+    needed only for judge rows of a model.tokenizer=hf run; default the char tokenizer.
     """
 
-    def __init__(self, cfg: RunConfig, prompt_len: int, *, fused: bool | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        prompt_len: int,
+        *,
+        fused: bool | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
         tc = cfg.trainer
         self.cfg = cfg
+        self.mesh = mesh
         self.spec: LossSpec = loss_spec(tc.algorithm, **tc.loss_overrides())
         self.prompt_len = prompt_len
         self.completion_len = cfg.sampler.max_new_tokens
         if cfg.rollout.judge_groups():  # judge rows: solution + suffix + verdict
+            if tokenizer is None and cfg.model.tokenizer != "char":
+                raise ValueError(
+                    f"model.tokenizer={cfg.model.tokenizer!r} with judge groups: pass the run's "
+                    "tokenizer, Learner(..., tokenizer=tpu_jobs.hf.run_tokenizer(run))"
+                )
             self.completion_len = judged_completion_len(
-                cfg.sampler.max_new_tokens, get_tokenizer("char")
+                cfg.sampler.max_new_tokens, tokenizer or get_tokenizer("char")
             )
         self.group_size = cfg.rollout.group_size
         self.groups = cfg.rollout.prompts_per_batch
@@ -319,6 +357,16 @@ class Learner:
             raise ValueError(
                 f"trainer.micro_batch={tc.micro_batch} is invalid; allowed: 0 or a divisor of "
                 f"the mini-batch's {self.mini_rows} rows"
+            )
+        multiple = 1 if mesh is None else meshlib.batch_size_multiple(mesh)
+        if self.micro_rows % multiple:
+            raise ValueError(
+                f"the trainer mesh {dict(mesh.shape)} splits each (micro-)batch over data x "
+                f"fsdp = {multiple} devices, but a (micro-)batch has {self.micro_rows} rows "
+                f"(rollout.prompts_per_batch={self.groups} x group_size={self.group_size}, "
+                f"trainer.mini_batches={tc.mini_batches}, micro_batch={tc.micro_batch}); "
+                f"allowed: a multiple of {multiple} rows (or change mesh.trainer: data * fsdp "
+                "must divide it)"
             )
         self.uses_values = self.spec.advantage == "gae" or self.spec.vf_coef > 0
         self.needs_ref = self.spec.kl_coef > 0 or self.spec.reward_kl_coef > 0
@@ -346,6 +394,11 @@ class Learner:
         )
         _, policy = new_model(cfg.model, cfg.seed)
         self.template = self.init_state(policy)
+        if mesh is not None:
+            # Updated state keeps the placement of `place` (XLA would otherwise pick output
+            # shardings, e.g. split the norm weights over fsdp, and drift step by step).
+            apply_fn = _keep_shardings(apply_fn, self.template)
+            self._apply = jax.jit(apply_fn, donate_argnums=(0, 1))
         self.fused = (tc.fused_step if fused is None else fused) and self.single
         if self.fused:
             self._fused_step = jax.jit(
@@ -379,8 +432,17 @@ class Learner:
         return params
 
     def init_state(self, policy_params: Any) -> tuple[dict[str, Any], Any]:
-        params = self.init_params(policy_params)
-        return params, self.tx.init(params)
+        """(params, optimizer state), placed on the mesh when there is one."""
+        params = self.place(self.init_params(policy_params))
+        return params, self.place(self.tx.init(params))
+
+    def place(self, tree: Any) -> Any:
+        """`tree` (params, optimizer state, reference params) on the trainer mesh by
+        `mesh.PARAM_RULES`; unchanged without a mesh."""
+        return tree if self.mesh is None else meshlib.shard_tree(tree, self.mesh)
+
+    def _place_batch(self, tree: Any) -> Any:
+        return tree if self.mesh is None else meshlib.shard_batch(tree, self.mesh)
 
     # ------------------------------------------------------------------- step
     def _grads(self, params, inp: StepInputs, pre: Prepared | None, logp_ref, norm):
@@ -390,7 +452,7 @@ class Learner:
 
     def step(self, params, opt_state, ref_params, inp: StepInputs):
         """One trainer step on one batch: (params, opt_state, {metric: float})."""
-        inp = StepInputs(*(jnp.asarray(x) for x in inp))
+        inp = self._place_batch(StepInputs(*(jnp.asarray(x) for x in inp)))
         logp_ref = None
         if ref_params is not None and self.needs_ref and not self.fused:
             logp_ref = self.programs.ref_logp(ref_params, inp.tokens, inp.mask)
@@ -417,7 +479,11 @@ class Learner:
                         return x[m0 : m0 + self.micro_rows]
 
                     g, m = self._grads(
-                        params, jax.tree.map(take, inp), jax.tree.map(take, pre), None, norm
+                        params,
+                        self._place_batch(jax.tree.map(take, inp)),
+                        self._place_batch(jax.tree.map(take, pre)),
+                        None,
+                        norm,
                     )
                     grads = g if grads is None else _add_trees(grads, g)
                     parts.append(jax.device_get(m))
@@ -479,17 +545,36 @@ class TrainerState:
 
 
 class Trainer:
-    def __init__(self, run: Run, *, log=print, fused: bool | None = None) -> None:
+    """`mesh`: the trainer's device mesh; None takes `mesh.trainer` of the run config over
+    all devices (None there too: one device).
+
+    Multi-host (`mesh.distributed`, JAX processes > 1): every process runs this same loop
+    on the same batches (the steps' collectives keep them in lockstep) and writes its shards
+    of the Orbax checkpoints; only process 0 takes the epoch and publishes weights, metrics
+    and the done marker."""
+
+    def __init__(
+        self,
+        run: Run,
+        *,
+        log=print,
+        fused: bool | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+    ) -> None:
         self.run = run
         self.cfg = run.config
         self.log = log
+        self.primary = jax.process_index() == 0
         self.ps = ParamServer(run.store)
         self.leases = BatchLeases(run.store, ttl_seconds=self.cfg.rollout.lease_seconds)
-        tok = get_tokenizer("char")
+        tok = run_tokenizer(run)
         problems = run.read_problems("train")
         prompt_len = round_up(max(len(tok.encode_prompt(p.prompt)) for p in problems), 8)
         self.pad_id = tok.pad_id
-        self.learner = Learner(self.cfg, prompt_len, fused=fused)
+        self.mesh = mesh or meshlib.config_meshes(self.cfg.mesh, ("trainer",))["trainer"]
+        if self.mesh is not None:
+            self.log(f"[trainer] mesh {dict(self.mesh.shape)} of {self.mesh.devices.size} devices")
+        self.learner = Learner(self.cfg, prompt_len, fused=fused, mesh=self.mesh, tokenizer=tok)
         self.spec = self.learner.spec
         self.prompt_len = prompt_len
         self.ref_params = None  # the frozen base model, when a KL term needs it
@@ -534,11 +619,16 @@ class Trainer:
         params = flat_to_params(self.learner.fns, self._template[0]["policy"], snap.tensors)
         # Own buffers: arrays made from one (cached) snapshot may alias host memory, and the
         # train state is donated to the step while the reference copy must stay alive.
-        return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+        return self.learner.place(jax.tree.map(lambda x: jnp.array(x, copy=True), params))
 
     def _publish(self, state: TrainerState, epoch: int) -> None:
         version = state.step // self.cfg.trainer.publish_every
-        flat = params_to_flat(self.learner.fns, state.params["policy"])
+        policy = state.params["policy"]
+        if jax.process_count() > 1:  # a collective: every process gathers the global arrays
+            policy = meshlib.to_host(policy)
+        if not self.primary:
+            return
+        flat = params_to_flat(self.learner.fns, policy)
         wrote = self.ps.publish(version, flat, epoch=epoch, metadata={"step": state.step})
         if wrote:
             self.log(f"[trainer] published v{version} (step {state.step})")
@@ -592,7 +682,8 @@ class Trainer:
             state.dropped_stale += 1
         else:
             state.dropped_empty += 1
-        self.run.log_metrics("dropped", state.next_batch, {"reason": reason, **record})
+        if self.primary:
+            self.run.log_metrics("dropped", state.next_batch, {"reason": reason, **record})
         state.next_batch += 1
 
     def _dynamic_sampling_stats(self, batch: RolloutBatch) -> dict[str, Any]:
@@ -628,7 +719,7 @@ class Trainer:
 
     def train(self) -> TrainerState:
         tc = self.cfg.trainer
-        epoch = self.ps.acquire_epoch()
+        epoch = self.ps.acquire_epoch() if self.primary else -1  # only process 0 publishes
         self.log(f"[trainer] epoch {epoch}")
         state = self.restore_or_init()
         if self.learner.needs_ref:
@@ -682,7 +773,8 @@ class Trainer:
                 "wait_s": t_wait,
                 "step_s": time.time() - t0,
             }
-            self.run.log_metrics("train", state.step, record)
+            if self.primary:
+                self.run.log_metrics("train", state.step, record)
             self.log(
                 f"[trainer] step {state.step}/{tc.steps} reward {record['reward_mean']:.3f} "
                 f"loss {metrics['loss']:+.4f} |dlogp| {metrics['logprob_absdiff_mean']:.1e} "
@@ -709,7 +801,8 @@ class Trainer:
                 "dropped_stale": state.dropped_stale,
                 "dropped_empty": state.dropped_empty,
             }
-            self.run.store.write_new(DONE_KEY, json.dumps(final).encode())
+            if self.primary:
+                self.run.store.write_new(DONE_KEY, json.dumps(final).encode())
             self.log(f"[trainer] done: {final}")
         return state
 
@@ -730,7 +823,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tpu_jobs.trainer", description=__doc__)
     parser.add_argument("--run", required=True, help="run URL (directory or gs://bucket/prefix)")
     args = parser.parse_args(argv)
-    trainer = Trainer(Run.open(args.run), log=lambda m: print(m, flush=True))
+    run = Run.open(args.run)
+    if run.config.mesh.distributed:  # before any JAX computation
+        started = meshlib.initialize_distributed(auto=True)
+        print(
+            f"[trainer] process {jax.process_index()}/{jax.process_count()} "
+            f"({'jax.distributed started' if started else 'single process'}), "
+            f"{jax.local_device_count()} of {jax.device_count()} devices local",
+            flush=True,
+        )
+    trainer = Trainer(run, log=lambda m: print(m, flush=True))
     signal.signal(signal.SIGTERM, trainer.request_stop)
     try:
         trainer.train()

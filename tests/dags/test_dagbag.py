@@ -64,7 +64,15 @@ def test_structure_matches_docs(dagbag, dag_id):
 def test_rl_training_shape(dagbag):
     dag = dagbag.dags["rlax_rl_training"]
     tasks = dag.task_dict
-    assert set(tasks) == {"curate", "bootstrap", "train", "rollout_worker", "evaluate", "report"}
+    assert set(tasks) == {
+        "curate",
+        "bootstrap",
+        "train",
+        "rollout_worker",
+        "orm",
+        "evaluate",
+        "report",
+    }
     # Workers are one dynamically mapped task, next to (not behind) the trainer.
     assert type(tasks["rollout_worker"]).__name__ == "DecoratedMappedOperator"
     assert "train" not in tasks["rollout_worker"].upstream_task_ids

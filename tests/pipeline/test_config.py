@@ -1,8 +1,9 @@
+import json
 from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, RunConfig, load_config, parse_overrides
+from pipeline.config import ConfigError, RunConfig, config_from_json, load_config, parse_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +33,19 @@ def test_dotted_overrides_are_typed():
     assert cfg.eval.ks == (1, 2)
 
 
+def test_mesh_section_from_yaml_and_overrides(tmp_path):
+    assert load_config(None).mesh.trainer is None  # default: one device, no sharding
+    path = tmp_path / "mesh.yaml"
+    path.write_text("mesh:\n  trainer: [1, -1, 2]\n  sampler: [-1, 1, 1]\n  distributed: true\n")
+    cfg = load_config(path, ["mesh.trainer=[2,2,2]"])
+    assert cfg.mesh.trainer == (2, 2, 2) and cfg.mesh.sampler == (-1, 1, 1)
+    assert cfg.mesh.distributed is True
+    assert load_config(None, ["mesh.sampler=-1,1,1"]).mesh.sampler == (-1, 1, 1)
+    assert load_config(path, ["mesh.trainer=null"]).mesh.trainer is None
+    again = config_from_json(json.dumps(cfg.to_dict()))  # the run's stored config.json
+    assert again == cfg and again.digest() == cfg.digest()
+
+
 def test_preset_fills_sizes_and_explicit_value_wins():
     cfg = load_config(None, ["model.preset=demo", "model.num_layers=5"])
     assert cfg.model.hidden_size == 128 and cfg.model.num_layers == 5
@@ -49,6 +63,10 @@ def test_preset_fills_sizes_and_explicit_value_wins():
         ("sampler.top_p=1.5", ["sampler.top_p", "(0, 1]"]),
         ("model.num_kv_heads=3", ["model.num_kv_heads", "divisor"]),
         ("eval.ks=[1,16]", ["eval.ks", "num_samples=8"]),
+        ("mesh.trainer=[2,2]", ["mesh.trainer", "3 sizes", "'tensor'"]),
+        ("mesh.sampler=[-1,-1,1]", ["mesh.sampler", "at most one"]),
+        ("mesh.trainer=[0,1,1]", ["mesh.trainer", ">= 1 or -1"]),
+        ("model.tokenizer=bpe", ["model.tokenizer", "'char'", "'hf'"]),
         ("nonsense", ["section.field=value"]),
     ],
 )

@@ -57,13 +57,14 @@ MASK[1, :4] = 0  # left padding
 MASK[2, :7] = 0
 
 
-def build_hf(family: str, seed: int = 0):
+def build_hf(family: str, seed: int = 0, **config_overrides):
     cfg_cls, model_cls, extra = FAMILIES[family]
     extra = dict(extra)
     theta = extra.pop("rope_theta", None)
     if theta is not None:
         extra["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
-    config = getattr(transformers, cfg_cls)(**COMMON, **extra, attn_implementation="eager")
+    kwargs = {**COMMON, **extra, **config_overrides}
+    config = getattr(transformers, cfg_cls)(**kwargs, attn_implementation="eager")
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # non-trivial norm weights and biases (zeros / ones at init)
@@ -363,3 +364,113 @@ def test_cli_import_into_new_run_then_export(checkpoints, tmp_path):
     with pytest.raises(RunError, match=r"would have .* model.qk_norm=False \(checkpoint: True\)"):
         hf.import_to_run(path, str(other), overrides=["model.qk_norm=false", *small])
     assert not other.exists() or not any(other.iterdir())  # nothing was created
+
+
+# --------------------------------------------------------------------------------------
+# model.tokenizer=hf: every role encodes with the imported tokenizer
+
+
+def make_char_level_tokenizer_dir(path: Path) -> tuple[Path, int]:
+    """A WordLevel tokenizer.json with one token per character of the project's CHARSET
+    (so every task prompt is encodable) and newline, ChatML specials and template; EOS is
+    <|im_end|> as in chat models. Returns (directory, vocabulary size)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from pipeline.tokenizer import CHARSET
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chat = ["<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate([*specials, *CHARSET, "\n", *chat])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(".|\n"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in [*specials, *chat]])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    tcfg = {
+        "bos_token": "<s>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<pad>",
+        "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    return path, len(vocab)
+
+
+def test_imported_tokenizer_is_used_by_the_rollout_worker(tmp_path):
+    from pipeline.paramserver import ParamServer
+    from pipeline.run import Run
+    from pipeline.tokenizer import CharTokenizer
+    from tpu_jobs.batching import round_up
+    from tpu_jobs.rollout_worker import RolloutWorker
+    from tpu_jobs.sft import base_server
+    from tpu_jobs.trainer import Trainer
+
+    tok_dir, vocab = make_char_level_tokenizer_dir(tmp_path / "tok")
+    im_start, im_end = vocab - 2, vocab - 1
+    path = tmp_path / "ckpt"
+    build_hf("qwen2", vocab_size=vocab, eos_token_id=im_end).save_pretrained(path)
+    for f in tok_dir.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    small = [
+        "task.num_train=32",
+        "task.num_eval=4",
+        "rollout.prompts_per_batch=2",
+        "rollout.group_size=4",
+        "sampler.max_new_tokens=24",
+    ]
+    run_url = str(tmp_path / "run")
+    assert hf.main(["import", str(path), "--run", run_url, *small]) == 0
+    run = Run.open(run_url)
+    assert run.config.model.tokenizer == "hf" and run.config.model.vocab_size == vocab
+    ps = ParamServer(run.store)  # v0 for the worker (the trainer's first publish)
+    ps.publish(0, base_server(run).pull(0).tensors, epoch=ps.acquire_epoch())
+
+    worker = RolloutWorker(run, "w")
+    tok = worker.tok
+    assert isinstance(tok, hf.HFTokenizer) and (tok.eos_id, tok.pad_id) == (im_end, 0)
+    assert worker.sampler.eos_id == im_end
+    worker._ensure_version(0)
+    batch = worker.generate_batch(0, 0)
+    # From the tokenizer files alone: next to a Qwen2 config.json, transformers 5 rebuilds
+    # its own Qwen2Tokenizer pipeline instead of reading this tokenizer.json.
+    ref = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    prompts = {p.problem_id: p.prompt for p in run.read_problems("train")}
+    for i in range(len(batch)):
+        chat = [{"role": "user", "content": prompts[batch.prompt_id[i]]}]
+        expected = ref.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+        assert batch.prompt_ids[i] == expected["input_ids"]  # chat template applied
+        assert batch.prompt_ids[i][0] == im_start and ref.unk_token_id not in expected["input_ids"]
+        ids, text = batch.completion_ids[i], batch.completion[i]
+        kept = [t for t in ids if t not in (tok.pad_id, tok.bos_id, tok.eos_id)]
+        assert text == ref.decode(kept, skip_special_tokens=False)
+        assert tok.encode(text) == kept  # the completion round-trips
+    assert sum(map(len, batch.completion_ids)) > 40
+    # The trainer sizes its prompts with the same tokenizer.
+    trainer = Trainer(run, log=lambda m: None)
+    longest = max(len(tok.encode_prompt(p)) for p in prompts.values())
+    assert trainer.prompt_len == round_up(longest, 8)
+    assert longest > max(len(CharTokenizer().encode_prompt(p)) for p in prompts.values()) + 10
+
+
+def test_hf_tokenizer_needs_an_imported_tokenizer_json(checkpoints, tmp_path):
+    from pipeline.run import Run
+
+    _, path = checkpoints["llama"]  # no tokenizer files
+    url = str(tmp_path / "run")
+    with pytest.raises(hf.HFError, match=r"has no tokenizer.json.*model.tokenizer=hf"):
+        hf.import_to_run(path, url, overrides=["model.tokenizer=hf", "task.num_train=8"])
+    hf.import_to_run(path, url, overrides=["task.num_train=8", "task.num_eval=4"], log=print)
+    run = Run.open(url)
+    assert run.config.model.tokenizer == "char"  # nothing imported: the char tokenizer
+    assert hf.run_tokenizer(run).vocab_size == 56
+    forced = Run(url=run.url, store=run.store, config=_with_tokenizer(run, "hf"))
+    with pytest.raises(hf.HFError, match=r"model.tokenizer=hf but .*rlax import-hf"):
+        hf.run_tokenizer(forced)
+
+
+def _with_tokenizer(run, tokenizer: str):
+    from dataclasses import replace
+
+    return replace(run.config, model=replace(run.config.model, tokenizer=tokenizer))

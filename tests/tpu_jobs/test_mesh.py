@@ -46,6 +46,15 @@ def test_rules_give_megatron_fsdp_specs():
     assert M.fit_spec(P(("data", "fsdp"), None), (8, 5), MESH8) == P(("data", "fsdp"))
 
 
+def test_learner_rejects_batches_the_mesh_cannot_split():
+    from tests.runs import tiny_config
+    from tpu_jobs.trainer import Learner
+
+    cfg = tiny_config("rollout.prompts_per_batch=3", "rollout.group_size=2")  # 6 rows
+    with pytest.raises(ValueError, match=r"data x fsdp = 8 .* 6 rows .* a multiple of 8 rows"):
+        Learner(cfg, 16, mesh=AbstractMesh((4, 2, 1), M.AXES))
+
+
 def test_mesh_shapes_and_errors():
     assert M.resolve_shape((-1, 2, 2), 8) == (2, 2, 2)
     assert M.resolve_shape((1, 1, 1), 8) == (1, 1, 1)
@@ -221,3 +230,168 @@ def test_sampler_noise_drawn_up_front_equals_categorical():
         per_step, up_front, ref = three_ways(jnp.int32(step), noise[:, step])
         np.testing.assert_array_equal(per_step, ref)
         np.testing.assert_array_equal(up_front, ref)
+
+
+# --------------------------------------------------------------------------------------
+# The roles on meshes from the run config (mesh.trainer / mesh.sampler): a Trainer on a
+# 2 x 2 x 2 mesh and a rollout worker on an 8-way data mesh against their one-device runs.
+
+ROLES_SCRIPT = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from dataclasses import replace
+import jax, numpy as np
+from flax import nnx
+from pipeline.config import MeshConfig
+from pipeline.demo import write_data
+from pipeline.leases import BatchLeases
+from pipeline.paramserver import ParamServer
+from pipeline.rollouts import to_parquet_bytes
+from pipeline.run import Run
+from tests.runs import clone_run, tiny_config
+from tpu_jobs import mesh as M
+from tpu_jobs.checkpoints import TrainerCheckpoints
+from tpu_jobs.rollout_worker import RolloutWorker
+from tpu_jobs.sft import base_server
+from tpu_jobs.state import new_model, params_to_flat
+from tpu_jobs.trainer import Trainer
+
+assert jax.device_count() == 8, jax.devices()
+root = sys.argv[1]
+small = ["task.num_train=64", "task.num_eval=8", "sampler.max_new_tokens=16",
+         "trainer.steps=2", "trainer.checkpoint_every=1", "trainer.max_staleness=2",
+         "trainer.warmup_steps=0"]
+plain = Run.create(root + "/plain", tiny_config(*small))
+write_data(plain)
+fns, params = new_model(plain.config.model, 0)
+flat = params_to_flat(fns, params)
+base = base_server(plain)
+base.publish(0, flat, epoch=base.acquire_epoch())
+sharded = clone_run(plain, root + "/sharded", tiny_config(
+    *small, "mesh.trainer=[2,2,2]", "mesh.sampler=[-1,1,1]"))
+for run in (plain, sharded):  # v0 for the workers (the trainers re-publish it: a no-op)
+    ps = ParamServer(run.store)
+    ps.publish(0, flat, epoch=ps.acquire_epoch())
+
+def maxdiff(a, b):
+    return max(float(np.abs(np.asarray(a[k]) - np.asarray(b[k])).max()) for k in a)
+
+out = {"worker": []}
+wp, ws = RolloutWorker(plain, "plain"), RolloutWorker(sharded, "sharded")
+out["worker_mesh"] = None if ws.mesh is None else dict(ws.mesh.shape)
+out["plain_worker_mesh"] = wp.mesh
+rng = np.random.default_rng(0)
+for w in (wp, ws):
+    w._ensure_version(0)
+out["worker_weights_replicated"] = all(
+    x.sharding.is_fully_replicated and len(x.sharding.device_set) == 8
+    for x in jax.tree.leaves(nnx.state(ws.model, nnx.Param)))
+for index in (0, 1):
+    a, b = wp.generate_batch(index, 0), ws.generate_batch(index, 0)
+    lp = [abs(x - y) for la, lb in zip(a.behaviour_logprobs, b.behaviour_logprobs)
+          for x, y in zip(la, lb)]
+    out["worker"].append({
+        "tokens_equal": a.completion_ids == b.completion_ids and a.prompt_ids == b.prompt_ids,
+        "logprob_diff": max(lp), "tokens": sum(len(c) for c in a.completion_ids)})
+    # Random rewards: a real GRPO gradient from an untrained model (same batch for both).
+    a = replace(a, reward=rng.random(len(a)).astype(np.float32))
+    for run in (plain, sharded):
+        BatchLeases(run.store, ttl_seconds=30).commit_batch(index, to_parquet_bytes(a))
+
+quiet = lambda m: None
+tp, ts = Trainer(plain, log=quiet), Trainer(sharded, log=quiet)
+out["trainer_mesh"] = None if ts.mesh is None else dict(ts.mesh.shape)
+sp, ss = tp.train(), ts.train()
+out["steps"] = [sp.step, ss.step]
+out["param_specs"] = M.describe(ss.params)
+out["opt_specs"] = M.describe(ss.opt_state)
+# Learner.place before any step == after the steps: no drift to XLA-chosen shardings.
+out["placement_kept"] = M.describe(ts.learner.template) == M.describe((ss.params, ss.opt_state))
+fp = params_to_flat(tp.learner.fns, sp.params["policy"])
+fs = params_to_flat(ts.learner.fns, ss.params["policy"])
+out["param_diff"] = maxdiff(fp, fs)
+out["param_change"] = maxdiff(fp, flat)
+v = ParamServer(sharded.store).latest_version()
+out["published"] = [v, maxdiff(ParamServer(sharded.store).pull(v).tensors, fs)]
+
+# The sharded checkpoint restores onto the mesh (template shardings) and onto one device.
+again = Trainer(sharded, log=quiet)
+(params_r, opt_r), meta = again.ckpt.restore_latest(again.learner.template)
+out["restored_step"] = meta["step"]
+out["restored_exact"] = all(
+    np.array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(jax.tree.leaves((params_r, opt_r)), jax.tree.leaves((ss.params, ss.opt_state))))
+out["restored_specs_equal"] = (M.describe(params_r) == out["param_specs"]
+                               and M.describe(opt_r) == out["opt_specs"])
+(params_1, _), _ = TrainerCheckpoints(sharded).restore_latest(tp.learner.template)
+out["restored_one_device"] = maxdiff(params_to_flat(tp.learner.fns, params_1["policy"]), fs)
+out["restored_one_device_ndev"] = len(jax.tree.leaves(params_1)[0].sharding.device_set)
+
+roles = M.config_meshes(MeshConfig(trainer=(1, 2, 2), sampler=(-1, 1, 1)), ("trainer", "sampler"))
+out["roles"] = {r: [[d.id for d in m.devices.flat], dict(m.shape)] for r, m in roles.items()}
+try:
+    M.config_meshes(MeshConfig(trainer=(4, 2, 2)), ("trainer",))
+except ValueError as err:
+    out["mesh_error"] = str(err)
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def roles_on_eight_devices(tmp_path_factory) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    root = tmp_path_factory.mktemp("mesh-roles")
+    proc = subprocess.run(
+        [sys.executable, "-c", ROLES_SCRIPT, str(root)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
+def test_rollout_worker_on_sampler_mesh_makes_the_same_batches(roles_on_eight_devices):
+    r = roles_on_eight_devices
+    assert r["worker_mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert r["plain_worker_mesh"] is None  # mesh.sampler unset: one device
+    assert r["worker_weights_replicated"]  # data parallel: weights on every device
+    for batch in r["worker"]:
+        assert batch["tokens_equal"] and batch["tokens"] > 100
+        assert batch["logprob_diff"] <= 1e-5
+
+
+def test_trainer_on_mesh_matches_one_device(roles_on_eight_devices):
+    r = roles_on_eight_devices
+    assert r["trainer_mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert r["steps"] == [2, 2]
+    assert r["param_change"] > 1e-5  # the steps moved the weights...
+    assert r["param_diff"] <= 1e-5  # ...the same way on the mesh as on one device
+    assert r["published"] == [2, 0.0]
+    specs, opt = r["param_specs"], r["opt_specs"]
+    assert specs["policy.layers.0.mlp.down_proj.kernel"] == str(P("tensor", "fsdp"))
+    assert specs["policy.layers.0.self_attn.q_proj.kernel"] == str(P("fsdp", "tensor"))
+    assert opt["1.0.mu.policy.layers.0.mlp.down_proj.kernel"] == str(P("tensor", "fsdp"))
+    assert specs["policy.norm.weight"] == str(P())
+    assert r["placement_kept"]
+
+
+def test_sharded_checkpoint_restores_on_the_mesh_and_on_one_device(roles_on_eight_devices):
+    r = roles_on_eight_devices
+    assert r["restored_step"] == 2
+    assert r["restored_exact"] and r["restored_specs_equal"]
+    assert r["restored_one_device"] == 0.0 and r["restored_one_device_ndev"] == 1
+
+
+def test_config_meshes_for_co_located_roles_and_errors(roles_on_eight_devices):
+    r = roles_on_eight_devices
+    assert r["roles"] == {
+        "trainer": [[0, 1, 2, 3], {"data": 1, "fsdp": 2, "tensor": 2}],
+        "sampler": [[4, 5, 6, 7], {"data": 4, "fsdp": 1, "tensor": 1}],
+    }
+    assert "mesh.trainer=[4, 2, 2] on the 8 device(s)" in r["mesh_error"]
+    assert "needs 16 devices" in r["mesh_error"]

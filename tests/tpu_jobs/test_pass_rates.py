@@ -53,7 +53,7 @@ class StubSampler:
 
     problems: list = []
 
-    def __init__(self, cfg, pad_id, eos_id):
+    def __init__(self, cfg, pad_id, eos_id, mesh=None):
         self.tok = get_tokenizer("char")
         self.by_prompt = {tuple(self.tok.encode_prompt(p.prompt)): p for p in self.problems}
 
