@@ -48,6 +48,13 @@ TERMINAL_RUN_STATES = ("success", "failed")
 class AirflowError(RuntimeError):
     """The local Airflow did not start, refused a request, or a DAG run failed."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status of a refused request
+
+
+DB_RETRIES = 5  # REST calls answered "Database error" (a locked SQLite database)
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -240,27 +247,48 @@ class LocalAirflow:
                 "/auth/token",
                 {"username": ADMIN, "password": self.password},
                 auth=False,
+                retry_writes=True,  # a new token each time: repeating is harmless
             )
             self._token = answer["access_token"]
             self._token_time = time.monotonic()
         return self._token
 
-    def _request(self, method: str, path: str, body: Any = None, *, auth: bool = True) -> Any:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        auth: bool = True,
+        retry_writes: bool = False,
+    ) -> Any:
+        """One REST call. Airflow on SQLite answers HTTP 500 "Database error" when its
+        database stays locked past the busy timeout (scheduler, DAG processor and API server
+        all write to it); such answers are retried with backoff for reads, and for writes
+        when the caller made them idempotent (`retry_writes`)."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Accept", "application/json")
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        if auth:
-            req.add_header("Authorization", f"Bearer {self.token()}")
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        try:
-            with opener.open(req, timeout=30) as resp:
-                payload = resp.read()
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:2000]
-            raise AirflowError(f"{method} {path}: HTTP {err.code}: {detail}") from None
-        return json.loads(payload) if payload else None
+        retryable = method in ("GET", "HEAD", "PATCH") or retry_writes
+        for attempt in range(DB_RETRIES + 1):
+            req = urllib.request.Request(self.url + path, data=data, method=method)
+            req.add_header("Accept", "application/json")
+            if data is not None:
+                req.add_header("Content-Type", "application/json")
+            if auth:
+                req.add_header("Authorization", f"Bearer {self.token()}")
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            try:
+                with opener.open(req, timeout=30) as resp:
+                    payload = resp.read()
+                return json.loads(payload) if payload else None
+            except urllib.error.HTTPError as err:
+                detail = err.read().decode(errors="replace")[:2000]
+                transient = err.code == 503 or (err.code == 500 and "Database error" in detail)
+                if not (transient and retryable and attempt < DB_RETRIES):
+                    raise AirflowError(
+                        f"{method} {path}: HTTP {err.code}: {detail}", status=err.code
+                    ) from None
+            time.sleep(min(8.0, 0.5 * 2**attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def api(self, method: str, path: str, body: Any = None) -> Any:
         """A call to the REST API v2 (`path` below /api/v2)."""
@@ -287,11 +315,26 @@ class LocalAirflow:
         raise AirflowError(f"DAG {dag_id} not parsed after {timeout:.0f}s")
 
     def trigger(self, dag_id: str, conf: Mapping[str, Any], dag_run_id: str | None = None) -> str:
-        """Trigger a run with `conf` (validated against the DAG's Params); its run id."""
-        body: dict[str, Any] = {"logical_date": None, "conf": dict(conf)}
-        if dag_run_id:
-            body["dag_run_id"] = dag_run_id
-        return self.api("POST", f"/dags/{dag_id}/dagRuns", body)["dag_run_id"]
+        """Trigger a run with `conf` (validated against the DAG's Params); its run id.
+
+        The run id is chosen here when not given, so a retry after a database error whose
+        first attempt did commit finds the run (HTTP 409) instead of starting a second one."""
+        explicit = dag_run_id is not None
+        run_id = (
+            dag_run_id or f"manual__rlax_{time.strftime('%Y%m%dT%H%M%S')}_{secrets.token_hex(3)}"
+        )
+        body: dict[str, Any] = {"logical_date": None, "conf": dict(conf), "dag_run_id": run_id}
+        try:
+            return self._request(
+                "POST", f"/api/v2/dags/{dag_id}/dagRuns", body, retry_writes=not explicit
+            )["dag_run_id"]
+        except AirflowError as err:
+            if explicit or err.status != 409:
+                raise
+            existing = self.dag_run(dag_id, run_id)  # our own earlier attempt committed
+            if existing.get("conf") != dict(conf):
+                raise
+            return run_id
 
     def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
         return self.api("GET", f"/dags/{dag_id}/dagRuns/{_q(run_id)}")

@@ -137,6 +137,7 @@ def test_rl_training_via_rest_end_to_end_and_trainer_preemption(airflow, tmp_pat
         ("curate", -1),
         ("bootstrap", -1),
         ("train", -1),
+        ("orm", -1),
         ("evaluate", -1),
         ("report", -1),
         *(("rollout_worker", i) for i in range(workers)),
@@ -145,7 +146,8 @@ def test_rl_training_via_rest_end_to_end_and_trainer_preemption(airflow, tmp_pat
     steps = cfg["trainer"]["steps"]
     assert json.loads((run / "trainer" / "DONE.json").read_text())["step"] == steps
     evaluated = sorted(int(p.stem) for p in (run / "metrics" / "eval").glob("*.json"))
-    assert evaluated == sorted({v for v in range(steps + 1) if v % 5 == 0} | {steps})
+    every = cfg["eval"]["every"]  # no Evaluate-every Param in the conf: the config's
+    assert evaluated == sorted({v for v in range(steps + 1) if v % every == 0} | {steps})
     report = (run / "report" / "report.md").read_text()
     assert "pass@1" in report and (run / "report" / "curves.png").stat().st_size > 1000
     train_log = airflow.task_log(RL_DAG_ID, e2e, "train", 1)
