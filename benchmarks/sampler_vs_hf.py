@@ -44,18 +44,18 @@ from tpu_jobs.sampler import Sampler  # noqa: E402
 BATCH, NEW, PROMPT = 64, 64, 16
 NOTES = """Reading the numbers:
 
-* On a shared machine whose load average exceeds the core count, torch with one OpenMP
-  thread per core loses most of its time spin-waiting at barriers: the `(2)` rows then
-  measure contention more than HF. The `(1)` rows are the fairer HF baseline there (at a
-  quieter moment, HF with 2 threads was the faster of the two at `demo`).
-* Peak and % of peak are measured under the same contention (idle, this machine's jitted
-  2048^3 float32 matmul reaches ~200 GFLOP/s); they compare the two implementations
-  within one run, not with the hardware's nominal peak.
+* The fair HF baseline is the `(2)` row (torch with one thread per core, as XLA uses
+  every core). When the load average exceeds the core count, torch's OpenMP threads
+  spin-wait at barriers and the `(2)` rows then measure contention more than HF; check
+  the load average above before reading them.
+* Peak and % of peak are measured in the same run, under the same load; they compare the
+  two implementations, not the hardware's nominal peak.
 * `demo` (0.6M parameters) is bound by per-op overheads: ~10 small matmuls per step of
-  64 x 128 x 384 at most. `100m` decoding is bound by the float32 matmuls (batch 64 rows
-  against 75M weights per step): ours runs near the measured matmul peak, so only a
-  larger batch, or lower-precision compute (`dtype="bfloat16"`, not measured here), could
-  raise its throughput substantially on this CPU.
+  64 x 128 x 384 at most. `100m` decoding is bound by float32 matmuls of 64 rows against
+  75M weights per step (plus the KV cache reads): the sampler already reaches ~70% of the
+  2048^3 matmul peak there, and a 64-row matmul does not reach that peak, so at batch 64
+  only lower-precision compute (`sampler.dtype="bfloat16"`, whose drift is measured in
+  benchmarks/results/algorithms.md) or a larger batch could raise it substantially.
 """
 RESULTS = Path(__file__).parent / "results" / "sampler_vs_hf.md"
 
@@ -235,7 +235,7 @@ Peak: a jitted 2048^3 float32 matmul, measured between the timed calls (median).
 GFLOP/s: useful model FLOPs of a call (2 x matmul params per processed token + attention
 over the real context) / time.
 
-Machine: {platform.machine()}, {rows[0]["cores"]} CPUs (shared with other jobs; load average
+Machine: {platform.machine()}, {rows[0]["cores"]} CPUs (load average
 {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end), JAX {jax.__version__},
 torch {torch.__version__}, transformers {transformers.__version__}.
 

@@ -23,10 +23,10 @@ Learning to judge (`RolloutConfig.judge_fraction` > 0): of the batch's prompts_p
 group slots, J = `rollout.judge_groups()` are judge groups and the other S = P - J are the
 usual solve groups (the batch keeps its fixed size, so the trainer's shapes do not change
 with J). After the solve groups are generated and scored, judge group j judges one sampled
-solution of candidate slot j mod S of round 0 (every round-0 group is generated, whatever
-dynamic sampling keeps): a correct one when (batch index + j) is even, a wrong one when it
-is odd (the other kind when the group has none), picked among those by a generator seeded
-with (seed, batch index). Its G samples are verdicts: the sampler's prompt is the problem's
+solution of round 0 (every round-0 group is generated, whatever dynamic sampling keeps):
+a correct one when (batch index + j) is even, a wrong one when it is odd (the other kind
+when the round has none), drawn without replacement over all of the round's samples by a
+generator seeded with (seed, batch index), so judged solutions are balanced. Its G samples are verdicts: the sampler's prompt is the problem's
 prompt + the solution without EOS + `JUDGE_SUFFIX`, with VERDICT_MAX_TOKENS new tokens, keys
 from (seed, JUDGE_STREAM, batch index, j, sample), and the reward is `judge_reward` (1 iff
 the verdict matches the verifier's grade of the solution). Judge groups come after the
@@ -187,15 +187,21 @@ class RolloutWorker:
         n_slots = len(r["problems"])
         suffix = suffix_ids(self.tok)
         rng = np.random.default_rng([cfg.seed, JUDGE_STREAM, index])
+        # Balanced over the whole round: half the judged solutions correct, half wrong
+        # (while the round has both). Judging only a few fixed slots gave mostly wrong
+        # solutions at low pass rates, and "always n" then earned most of the reward.
+        verified = np.asarray(r["verified"][: n_slots * g])
+        pools = {
+            True: list(rng.permutation(np.flatnonzero(verified >= 1.0))),
+            False: list(rng.permutation(np.flatnonzero(verified < 1.0))),
+        }
         picks = []  # (candidate slot, row of the judged solution)
         for j in range(n_judge):
-            slot = j % n_slots
-            rows = range(slot * g, (slot + 1) * g)
-            good = [i for i in rows if r["verified"][i] >= 1.0]
-            bad = [i for i in rows if r["verified"][i] < 1.0]
-            want, other = (good, bad) if (index + j) % 2 == 0 else (bad, good)
-            pool = want or other
-            picks.append((slot, pool[int(rng.integers(len(pool)))]))
+            want = (index + j) % 2 == 0
+            pool = pools[want] or pools[not want]
+            i = int(pool.pop(0))
+            pool.append(i)  # cycle when a kind runs out
+            picks.append((i // g, i))
         contexts = [judge_context(r["completions"][i], suffix, self.tok.eos_id) for _, i in picks]
         prompts = [r["prompts"][i] + ctx for (_, i), ctx in zip(picks, contexts, strict=True)]
         out = self.sampler.generate(

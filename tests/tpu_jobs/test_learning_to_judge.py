@@ -186,19 +186,22 @@ def test_judge_groups_reward_the_verifier_match(index):
     g = cfg.rollout.group_size
     ((prompts, keys, max_new),) = worker.sampler.calls
     assert max_new == VERDICT_MAX_TOKENS and len(prompts) == 2 * g and keys.shape == (2 * g, 2)
-    for j in range(2):  # judge group j judges slot j
+    judged = []
+    for j in range(2):
         rows = range(j * g, (j + 1) * g)
-        prompt = r["prompts"][j * g]
+        slot = cols["pos"][j * g]  # the slot whose sample is judged (slots are 0, 1 here)
+        prompt = r["prompts"][slot * g]
         assert {tuple(cols["pr"][i]) for i in rows} == {tuple(prompt)}
-        assert all(cols["pos"][i] == j for i in rows)
+        assert all(cols["pos"][i] == slot for i in rows)
         ctx = cols["co"][j * g][:-2]
         assert ctx[-len(SUFFIX) :] == SUFFIX and TOK.eos_id not in ctx
         solution = TOK.decode(ctx[: -len(SUFFIX)])
-        # The judged solution is one of the slot's samples (EOS stripped) ...
-        candidates = [TOK.decode(c) for c in r["completions"][j * g : (j + 1) * g]]
+        # The judged solution is one of that slot's samples (EOS stripped) ...
+        candidates = [TOK.decode(c) for c in r["completions"][slot * g : (slot + 1) * g]]
         assert solution in candidates
-        correct = ARITH.verify(r["problems"][j], solution) >= 1.0
-        # ... correct when index + j is even, wrong when odd (each slot has both kinds).
+        judged.append((slot, solution))
+        correct = ARITH.verify(r["problems"][slot], solution) >= 1.0
+        # ... correct when index + j is even, wrong when odd: balanced over the batch.
         assert correct == ((index + j) % 2 == 0)
         for s, i in enumerate(rows):
             assert prompts[i] == prompt + ctx  # the sampler saw prompt | solution | suffix
@@ -209,6 +212,7 @@ def test_judge_groups_reward_the_verifier_match(index):
             assert cols["mask"][i] == [0] * len(ctx) + [1, 1]
             assert cols["lp"][i] == [0.0] * len(ctx) + [-0.25, -0.25]
             assert cols["tx"][i] == solution + JUDGE_SUFFIX + verdict
+    assert len(set(judged)) == 2  # drawn without replacement
     # Reproducible: the same batch index picks the same solutions with the same keys.
     again = object.__new__(rw.RolloutWorker)
     again.cfg, again.tok, again.model, again.sampler = cfg, TOK, None, ForcedVerdicts()
@@ -372,3 +376,21 @@ def test_sft_judge_demonstrations(labels):
             correct = ARITH.verify(q, TOK.decode(plain)) >= 1.0
             assert verdict == ("y" if correct else "n")
     assert 16 < judged < 48  # about half of 64
+
+
+def test_judged_solutions_are_balanced_when_correct_ones_are_rare():
+    """One correct sample in the whole round, in slot 1: judge group 0 (even) still judges
+    it, group 1 (odd) a wrong one; judging only slot 0 would have found no correct one."""
+    cfg = tiny_config("rollout.judge_fraction=0.5")
+    worker = object.__new__(rw.RolloutWorker)
+    worker.cfg, worker.tok, worker.model = cfg, TOK, None
+    worker.sampler = ForcedVerdicts()
+    r = _planted_round()
+    r["verified"] = np.array([0, 0, 0, 0, 0, 1, 0, 0], np.float32)  # only row 5 (slot 1)
+    g = cfg.rollout.group_size
+    cols = worker._judge_groups(0, r)
+    assert cols["pos"][0] == 1  # group 0 judges the one correct sample, in slot 1
+    assert cols["tx"][0].startswith(TOK.decode(r["completions"][5]).rstrip())
+    # ForcedVerdicts: sample 0 says "y", sample 1 says "n".
+    assert (cols["rw"][0], cols["rw"][1]) == (1.0, 0.0)  # correct solution
+    assert (cols["rw"][g], cols["rw"][g + 1]) == (0.0, 1.0)  # wrong solution
