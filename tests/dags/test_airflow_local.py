@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pipeline.airflow_local import (
     PASSWORDS_FILE,
     ProgressPrinter,
@@ -65,3 +67,72 @@ def test_progress_prints_state_changes_once(capsys):
     assert out.count("rollout_worker[worker0]") == 1
     assert "train" in out and "up_for_retry (try 2)" in out
     assert task_label({"task_id": "t", "map_index": 3}) == "t[3]"
+
+
+class _LockedDatabaseAPI:
+    """An HTTP server on 127.0.0.1 answering like Airflow's API server when its SQLite
+    database stays locked: the first trigger commits the run and still answers HTTP 500
+    "Database error" (the ambiguous case), GETs fail once the same way."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.runs: dict[str, dict] = {}
+        self.posts = 0
+        self.gets = 0
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def _send(self, code: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):  # noqa: N802 - http.server's naming
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/auth/token":
+                    return self._send(201, {"access_token": "t"})
+                api.posts += 1
+                run_id = body["dag_run_id"]
+                if run_id in api.runs:
+                    return self._send(409, {"detail": "DAG run exists"})
+                api.runs[run_id] = {"dag_run_id": run_id, "conf": body["conf"]}
+                return self._send(500, {"detail": {"reason": "Database error"}})
+
+            def do_GET(self):  # noqa: N802
+                api.gets += 1
+                if api.gets == 1:
+                    return self._send(500, {"detail": {"reason": "Database error"}})
+                run_id = self.path.rsplit("/", 1)[-1]
+                return self._send(200, api.runs[run_id])
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.port = self.server.server_address[1]
+
+
+def test_trigger_survives_a_locked_database_without_a_second_run(tmp_path):
+    from pipeline.airflow_local import AirflowError, LocalAirflow
+
+    api = _LockedDatabaseAPI()
+    try:
+        af = LocalAirflow(home=tmp_path, port=api.port)
+        af.password = ensure_password(tmp_path)
+        run_id = af.trigger("rlax_rl_training", {"run_id": "r1"})
+        # The first POST committed and failed; the retry found the run (409) and the
+        # client confirmed it is its own (same conf) after a retried GET: one run.
+        assert list(api.runs) == [run_id] and api.posts == 2 and api.gets == 2
+        # A caller-chosen run id is not retried: a 409 may be someone else's run.
+        api.gets = 1
+        with pytest.raises(AirflowError, match="Database error") as err:
+            af.trigger("rlax_rl_training", {"run_id": "r2"}, dag_run_id="mine")
+        assert err.value.status == 500 and api.posts == 3
+    finally:
+        api.server.shutdown()
