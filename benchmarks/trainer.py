@@ -216,30 +216,26 @@ def main() -> None:
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "trainer.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 3.2))
-        names = [
-            ("fused_step" if r["fused"] else "default") + (" +KL" if r["kl"] else "")
-            for r in results
-        ]
-        x = np.arange(len(results))
-        ax.bar(x - 0.27, [r["flop_s"] / peak_wall for r in results], 0.27, label="wall, median")
-        ax.bar(x, [r["best_flop_s"] / peak_wall for r in results], 0.27, label="wall, best")
-        ax.bar(x + 0.27, [r["flop_per_cpu_s"] / peak_cpu for r in results], 0.27, label="CPU time")
-        ax.set_xticks(x, names)
-        ax.axhline(0.4, color="k", ls="--", lw=0.8, label="40% target")
-        ax.set_ylabel("fraction of matmul peak")
-        ax.set_title(f"100m trainer step, {args.rows} x {args.seq} tokens")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(RESULTS / "trainer.png", dpi=120)
-    except ImportError:
-        pass
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    names = [
+        ("fused_step" if r["fused"] else "default") + (" +KL" if r["kl"] else "") for r in results
+    ]
+    x = np.arange(len(results))
+    ax.bar(x - 0.27, [r["flop_s"] / peak_wall for r in results], 0.27, label="wall, median")
+    ax.bar(x, [r["best_flop_s"] / peak_wall for r in results], 0.27, label="wall, best")
+    ax.bar(x + 0.27, [r["flop_per_cpu_s"] / peak_cpu for r in results], 0.27, label="CPU time")
+    ax.set_xticks(x, names)
+    ax.axhline(0.4, color="k", ls="--", lw=0.8, label="40% target")
+    ax.set_ylabel("fraction of matmul peak")
+    ax.set_title(f"100m trainer step, {args.rows} x {args.seq} tokens")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "trainer.png", dpi=120)
     print((RESULTS / "trainer.md").read_text())
 
 

@@ -137,6 +137,16 @@ def rl_params() -> dict[str, Any]:
             section=section,
         )
 
+    def opt_choice(title: str, description: str, choices: Sequence[str], section: str):
+        return Param(
+            None,
+            type=["null", "string"],
+            title=title,
+            description=description + " Empty: the config file's.",
+            enum=[None, *choices],
+            section=section,
+        )
+
     return {
         "run_id": Param(
             "",
@@ -186,14 +196,7 @@ def rl_params() -> dict[str, Any]:
             "data. Empty: synthetic problems from the config's task mix.",
             section="Data",
         ),
-        "model_preset": Param(
-            None,
-            type=["null", "string"],
-            title="Model preset",
-            description="Named model size. Empty: the config file's.",
-            enum=[None, *MODEL_PRESETS],
-            section="Model",
-        ),
+        "model_preset": opt_choice("Model preset", "Named model size.", MODEL_PRESETS, "Model"),
         "hf_checkpoint": Param(
             None,
             type=["null", "string"],
@@ -203,14 +206,7 @@ def rl_params() -> dict[str, Any]:
             "section is taken from it.",
             section="Model",
         ),
-        "algorithm": Param(
-            None,
-            type=["null", "string"],
-            title="Algorithm",
-            description="RL algorithm. Empty: the config file's.",
-            enum=[None, *ALGORITHMS],
-            section="RL",
-        ),
+        "algorithm": opt_choice("Algorithm", "RL algorithm.", ALGORITHMS, "RL"),
         "steps": opt_int("RL steps", "Trainer steps.", 1, 10_000_000, "RL"),
         "workers": opt_int(
             "Rollout workers",

@@ -10,19 +10,9 @@ import pytest
 from pipeline.leases import BatchLeases, Lease, LeaseLostError
 from pipeline.paramserver import ParamServer
 from pipeline.storage import ObjectStore
+from tests.clock import FakeClock
 
 TTL = 30.0
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture

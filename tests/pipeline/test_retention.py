@@ -20,19 +20,9 @@ from pipeline.paramserver import (
 from pipeline.retention import apply_retention, lease_versions, pending_versions
 from pipeline.rollouts import required_version
 from pipeline.storage import ObjectStore
+from tests.clock import FakeClock
 
 TTL = 30.0
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class HookedStore(ObjectStore):

@@ -151,12 +151,13 @@ print("RESULT" + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def eight_devices() -> dict:
+def run_on_eight_devices(script: str, *args: str) -> dict:
+    """Run `script` in a fresh interpreter with 8 fake CPU devices (XLA reads the flag
+    only at start-up); it prints one line "RESULT" + JSON, returned parsed."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+        [sys.executable, "-c", script, *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -166,6 +167,11 @@ def eight_devices() -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
     return json.loads(line[len("RESULT") :])
+
+
+@pytest.fixture(scope="module")
+def eight_devices() -> dict:
+    return run_on_eight_devices(SCRIPT)
 
 
 def test_train_step_on_mesh_matches_one_device(eight_devices):
@@ -339,20 +345,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def roles_on_eight_devices(tmp_path_factory) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    root = tmp_path_factory.mktemp("mesh-roles")
-    proc = subprocess.run(
-        [sys.executable, "-c", ROLES_SCRIPT, str(root)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT") :])
+    return run_on_eight_devices(ROLES_SCRIPT, str(tmp_path_factory.mktemp("mesh-roles")))
 
 
 def test_rollout_worker_on_sampler_mesh_makes_the_same_batches(roles_on_eight_devices):
