@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import threading
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.ports import free_port
 
 EMULATOR_BUCKET = "rlax-test"
 
@@ -36,12 +37,6 @@ def _fake_gcs_binary() -> Path | None:
     except Exception:  # private helper moved or platform unknown: look in the package
         found = sorted((Path(pkg.__file__).parent / "vendor").rglob("fake-gcs-server*"))
         return next((p for p in found if p.is_file()), None)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GCSEmulator:
@@ -81,7 +76,7 @@ class GCSEmulator:
 def _start_emulator(binary: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     last_error = ""
     for _ in range(3):  # the free port may be taken between probing and binding: try again
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(

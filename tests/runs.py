@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +12,9 @@ import numpy as np
 from pipeline import launcher
 from pipeline.config import RunConfig, load_config
 from pipeline.demo import write_data
+from pipeline.leases import BatchLeases
 from pipeline.paramserver import ParamServer
+from pipeline.rollouts import RolloutBatch, to_parquet_bytes
 from pipeline.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,3 +85,55 @@ def make_base(url: str, cfg: RunConfig) -> Run:
     write_data(run)
     train_sft(run, log_every=10_000)
     return run
+
+
+# Tiny runs for comparing trainers on different meshes / process counts on the same batches.
+MESH_RUN_OVERRIDES = (
+    "task.num_train=64",
+    "task.num_eval=8",
+    "sampler.max_new_tokens=16",
+    "trainer.steps=2",
+    "trainer.checkpoint_every=1",
+    "trainer.max_staleness=2",
+    "trainer.warmup_steps=0",
+)
+
+
+def plain_and_variants(
+    root: str, variants: Mapping[str, Sequence[str]]
+) -> tuple[dict[str, Run], dict[str, np.ndarray]]:
+    """Run "plain" (tiny config + MESH_RUN_OVERRIDES) with data and a random base model, and
+    one clone per variant (its extra overrides) sharing them; every run has the base model
+    published as v0 (for rollout workers; a trainer's re-publish is a no-op). Returns
+    ({name: run}, the base model's flat tensors)."""
+    from tpu_jobs.sft import base_server
+    from tpu_jobs.state import new_model, params_to_flat
+
+    plain = Run.create(f"{root}/plain", tiny_config(*MESH_RUN_OVERRIDES))
+    write_data(plain)
+    fns, params = new_model(plain.config.model, 0)
+    flat = params_to_flat(fns, params)
+    base = base_server(plain)
+    base.publish(0, flat, epoch=base.acquire_epoch())
+    runs = {"plain": plain}
+    for name, overrides in variants.items():
+        runs[name] = clone_run(
+            plain, f"{root}/{name}", tiny_config(*MESH_RUN_OVERRIDES, *overrides)
+        )
+    for run in runs.values():
+        ps = ParamServer(run.store)
+        ps.publish(0, flat, epoch=ps.acquire_epoch())
+    return runs, flat
+
+
+def commit_with_random_rewards(
+    batch: RolloutBatch, runs: Iterable[Run], rng: np.random.Generator
+) -> RolloutBatch:
+    """Commit `batch` with random rewards (a real GRPO gradient from an untrained model) as
+    its index in every run; returns the committed batch."""
+    batch = replace(batch, reward=rng.random(len(batch)).astype(np.float32))
+    for run in runs:
+        BatchLeases(run.store, ttl_seconds=30).commit_batch(
+            batch.batch_index, to_parquet_bytes(batch)
+        )
+    return batch

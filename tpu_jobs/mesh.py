@@ -246,7 +246,11 @@ def _put(tree: Any, shardings: Any) -> Any:
 
     # Multi-host: every process holds the full value (e.g. pulled from the parameter server)
     # and contributes the shards of its own devices.
-    def one(leaf, sharding):
+    def one(leaf: Any, sharding: NamedSharding) -> jax.Array:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            # Already global (e.g. optimizer moments made from placed params): when the mesh
+            # splits it across processes no process can read all of it; reshard on device.
+            return jax.device_put(leaf, sharding)
         host = np.asarray(leaf)
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 

@@ -720,7 +720,10 @@ class Trainer:
     def train(self) -> TrainerState:
         tc = self.cfg.trainer
         epoch = self.ps.acquire_epoch() if self.primary else -1  # only process 0 publishes
-        self.log(f"[trainer] epoch {epoch}")
+        if self.primary:
+            self.log(f"[trainer] epoch {epoch}")
+        else:
+            self.log(f"[trainer] process {jax.process_index()}: process 0 takes the epoch")
         state = self.restore_or_init()
         if self.learner.needs_ref:
             self.ref_params = self._base_params()

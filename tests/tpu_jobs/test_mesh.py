@@ -245,39 +245,21 @@ def test_sampler_noise_drawn_up_front_equals_categorical():
 ROLES_SCRIPT = r"""
 import json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-from dataclasses import replace
 import jax, numpy as np
 from flax import nnx
 from pipeline.config import MeshConfig
-from pipeline.demo import write_data
-from pipeline.leases import BatchLeases
 from pipeline.paramserver import ParamServer
-from pipeline.rollouts import to_parquet_bytes
-from pipeline.run import Run
-from tests.runs import clone_run, tiny_config
+from tests.runs import commit_with_random_rewards, plain_and_variants
 from tpu_jobs import mesh as M
 from tpu_jobs.checkpoints import TrainerCheckpoints
 from tpu_jobs.rollout_worker import RolloutWorker
-from tpu_jobs.sft import base_server
-from tpu_jobs.state import new_model, params_to_flat
+from tpu_jobs.state import params_to_flat
 from tpu_jobs.trainer import Trainer
 
 assert jax.device_count() == 8, jax.devices()
-root = sys.argv[1]
-small = ["task.num_train=64", "task.num_eval=8", "sampler.max_new_tokens=16",
-         "trainer.steps=2", "trainer.checkpoint_every=1", "trainer.max_staleness=2",
-         "trainer.warmup_steps=0"]
-plain = Run.create(root + "/plain", tiny_config(*small))
-write_data(plain)
-fns, params = new_model(plain.config.model, 0)
-flat = params_to_flat(fns, params)
-base = base_server(plain)
-base.publish(0, flat, epoch=base.acquire_epoch())
-sharded = clone_run(plain, root + "/sharded", tiny_config(
-    *small, "mesh.trainer=[2,2,2]", "mesh.sampler=[-1,1,1]"))
-for run in (plain, sharded):  # v0 for the workers (the trainers re-publish it: a no-op)
-    ps = ParamServer(run.store)
-    ps.publish(0, flat, epoch=ps.acquire_epoch())
+runs, flat = plain_and_variants(
+    sys.argv[1], {"sharded": ["mesh.trainer=[2,2,2]", "mesh.sampler=[-1,1,1]"]})
+plain, sharded = runs["plain"], runs["sharded"]
 
 def maxdiff(a, b):
     return max(float(np.abs(np.asarray(a[k]) - np.asarray(b[k])).max()) for k in a)
@@ -299,10 +281,7 @@ for index in (0, 1):
     out["worker"].append({
         "tokens_equal": a.completion_ids == b.completion_ids and a.prompt_ids == b.prompt_ids,
         "logprob_diff": max(lp), "tokens": sum(len(c) for c in a.completion_ids)})
-    # Random rewards: a real GRPO gradient from an untrained model (same batch for both).
-    a = replace(a, reward=rng.random(len(a)).astype(np.float32))
-    for run in (plain, sharded):
-        BatchLeases(run.store, ttl_seconds=30).commit_batch(index, to_parquet_bytes(a))
+    commit_with_random_rewards(a, (plain, sharded), rng)  # the same batch for both
 
 quiet = lambda m: None
 tp, ts = Trainer(plain, log=quiet), Trainer(sharded, log=quiet)

@@ -1,0 +1,11 @@
+"""A free TCP port on 127.0.0.1 for test servers (the GCS emulator, a JAX coordinator)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
