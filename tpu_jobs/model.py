@@ -233,6 +233,8 @@ class Attention(nnx.Module):
         k_cache = jax.lax.dynamic_update_slice(k_cache, kt, (zero, zero, zero, slot))
         vt = v.transpose(0, 2, 1, 3).astype(v_cache.dtype)  # [B, kv, T, hd]
         v_cache = jax.lax.dynamic_update_slice(v_cache, vt, (zero, zero, slot, zero))
+        if t == 1:
+            return self._decode_attend(q, visible, k_cache, v_cache)
         # Plain batched matmuls over (B, kv) with rows (g, T): XLA:CPU runs them as library
         # matmuls on the cache buffers in place.
         q = q.reshape(b, t, nkv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)
@@ -245,6 +247,24 @@ class Attention(nnx.Module):
         out = jnp.einsum("bkms,bksd->bkmd", probs, v_cache.astype(q.dtype))
         out = out.reshape(b, nkv, g, t, hd).transpose(0, 3, 1, 2, 4)  # [B, T, kv, g, hd]
         return self.o_proj(out.reshape(b, t, self.num_heads * hd)), (k_cache, v_cache)
+
+    def _decode_attend(self, q, visible, k_cache, v_cache):
+        """One query token per row (decode): scores and outputs as broadcast products reduced
+        over head_dim / slots, which XLA fuses into two loops over the cache. Decode
+        attention is bound by reading the cache, and B x kv matmuls of g rows each cost
+        ~1.5x as much on XLA:CPU (benchmarks/results/sampler_vs_hf.md)."""
+        b, _, _, hd = q.shape
+        nkv, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        qf = q.reshape(b, nkv, g, hd, 1).astype(jnp.float32)
+        scores = jnp.sum(qf * k_cache[:, :, None].astype(jnp.float32), axis=3)  # [B, kv, g, S]
+        scores = scores / math.sqrt(hd)
+        scores = jnp.where(visible[:, :, None], scores, _MASKED)  # visible: [B, 1, S]
+        probs = jax.nn.softmax(scores, axis=-1)[..., None]  # [B, kv, g, S, 1]
+        out = jnp.sum(probs * v_cache[:, :, None].astype(jnp.float32), axis=3)  # [B, kv, g, hd]
+        return self.o_proj(out.astype(q.dtype).reshape(b, 1, self.num_heads * hd)), (
+            k_cache,
+            v_cache,
+        )
 
 
 class MLP(nnx.Module):
