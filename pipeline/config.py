@@ -152,7 +152,11 @@ class SFTConfig:
     # base model knows the verdict format and RL's judge groups get verdicts to reward (an
     # SFT without them almost never writes "y"/"n" there). `judge_labels`: "random" = a
     # fair coin (format only: the base judge has no skill, all of it comes from RL),
-    # "verifier" = the verifier's grade of the demonstration (a supervised judge).
+    # "verifier" = the verifier's grade of the demonstration (a supervised judge);
+    # "balanced" = a fair coin picks a correct or a wrong teacher solution of the same
+    # problem (re-drawn until the verifier agrees), labelled by the verifier, so the label
+    # says nothing about the problem: "verifier" labels let the judge learn a shortcut
+    # (many carries -> "n") that ranks solutions of one problem backwards.
     judge_fraction: float = 0.0
     judge_labels: str = "random"
 
@@ -168,7 +172,7 @@ class SFTConfig:
             "[0, 1)",
         )
         _check(0 <= self.judge_fraction <= 1, "sft.judge_fraction", self.judge_fraction, "[0, 1]")
-        _one_of("sft.judge_labels", self.judge_labels, ("random", "verifier"))
+        _one_of("sft.judge_labels", self.judge_labels, ("random", "verifier", "balanced"))
 
 
 @dataclass(frozen=True)
@@ -454,6 +458,10 @@ class RolloutConfig:
     lease_seconds: float = 120.0
     poll_seconds: float = 0.2
     judge_fraction: float = 0.0  # fraction of each batch's groups that are judge groups
+    # Which solutions the judge groups judge (half correct, half wrong): "round" = drawn
+    # over the whole round; "problem" = a correct and a wrong sample of the same problem
+    # per pair of judge groups, so the verdict depends on the solution, not the problem.
+    judge_pick: str = "round"
 
     def __post_init__(self) -> None:
         _check(
@@ -473,6 +481,8 @@ class RolloutConfig:
             self.judge_fraction,
             "0 when prompts_per_batch=1 (judge groups need a solve group to judge)",
         )
+
+        _one_of("rollout.judge_pick", self.judge_pick, ("round", "problem"))
 
     def judge_groups(self) -> int:
         """Judge groups per batch: round(judge_fraction * prompts_per_batch), clipped to

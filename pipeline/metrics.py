@@ -9,7 +9,8 @@
   or the model's own log-likelihood).
 - `bootstrap_ci`: percentile bootstrap confidence interval over problems.
 - `summarise`: all of the above for several k, each as (mean, lo, hi).
-- Judging (Self-PRM / ORM scores of samples against the verifier): `roc_auc`, `bootstrap_auc`,
+- Judging (Self-PRM / ORM scores of samples against the verifier): `roc_auc`,
+  `within_problem_auc`, `bootstrap_auc`,
   `judge_stats` (accuracy, precision, recall at a threshold, with counts),
   `difficulty_buckets` (hard / medium / easy terciles of per-problem pass rate) and
   `judge_stats_by_bucket`.
@@ -248,6 +249,19 @@ def bootstrap_auc(
         return auc, auc, auc
     lo, hi = np.quantile(draws, [alpha / 2, 1 - alpha / 2])
     return auc, float(lo), float(hi)
+
+
+def within_problem_auc(scores: ArrayLike, correct: ArrayLike) -> np.ndarray:
+    """Per problem with both correct and wrong samples, the `roc_auc` of its own samples'
+    scores: how well a judge ranks the solutions of one problem, which is what reranking
+    needs (the pooled AUC also rewards telling easy problems from hard ones). scores,
+    correct: [P, n]; returns one value per mixed problem, in problem order."""
+    s = np.asarray(scores, dtype=np.float64)
+    c = np.asarray(correct, dtype=bool)
+    if s.shape != c.shape or s.ndim != 2:
+        raise ValueError(f"scores {s.shape} and correct {c.shape} must be the same [P, n] shape")
+    out = [roc_auc(si, ci) for si, ci in zip(s, c, strict=True)]
+    return np.array([a for a in out if a is not None], dtype=np.float64)
 
 
 def _ratio(num: int, den: int) -> float | None:

@@ -53,7 +53,20 @@ GLOSSARY = {
     "judge_auc": "judge_auc: ROC AUC of the self-score for the verifier's correctness",
     "orm_accuracy": "orm_accuracy: P(ORM verdict == verifier), verdict = ORM score > 0.5",
     "orm_auc": "orm_auc: ROC AUC of the ORM score for the verifier's correctness",
+    "judge_auc_within": "judge_auc_within: ROC AUC of the self-score among one problem's "
+    "samples, mean over problems with both correct and wrong samples (what reranking needs)",
+    "orm_auc_within": "orm_auc_within: the same within-problem AUC for the ORM score",
 }
+# Columns of the co-evolution table (per version).
+COEVOLUTION = (
+    "pass@1",
+    "judge_accuracy",
+    "judge_auc",
+    "judge_auc_within",
+    "orm_accuracy",
+    "orm_auc",
+    "orm_auc_within",
+)
 JUDGE_NAMES = {"self_prm": "self-judge", "orm": "ORM"}  # self-judge: the evaluated version
 
 
@@ -185,7 +198,7 @@ def plot_judge_vs_pass(evals: list[dict[str, Any]]) -> bytes:
     pass@1 (each point a version): how judging co-evolves with solving."""
     plt = _matplotlib()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in ("pass@1", "judge_accuracy", "judge_auc", "orm_accuracy"):
+    for name in ("pass@1", "judge_accuracy", "judge_auc", "judge_auc_within", "orm_accuracy"):
         pts = [(e["version"], e["metrics"][name]) for e in evals if name in e["metrics"]]
         if not pts:
             continue
@@ -394,11 +407,7 @@ def _bucket_section(rec: dict[str, Any]) -> list[str]:
 
 
 def _coevolution_section(evals: list[dict[str, Any]]) -> list[str]:
-    names = [
-        n
-        for n in ("pass@1", "judge_accuracy", "judge_auc", "orm_accuracy", "orm_auc")
-        if any(n in e["metrics"] for e in evals)
-    ]
+    names = [n for n in COEVOLUTION if any(n in e["metrics"] for e in evals)]
     lines = [
         "",
         "## Judging and solving per version (co-evolution)",

@@ -8,9 +8,10 @@ pass@k (unbiased estimator), maj@k and mean reward, each with a 95% bootstrap in
 over problems. With `eval.self_prm` (default) every sample is also judged by the
 evaluated version itself (`tpu_jobs.judge.self_scores`: p(y) / (p(y) + p(n)) after the
 judge suffix), giving self_prm@k (best of the first k by self-score), judge_accuracy,
-judge_auc and the judge's precision / recall by difficulty tercile; when the run has an
-ORM (`tpu_jobs/orm.py`, `orm/` parameter server) its scores give orm@k, orm_accuracy and
-orm_auc the same way. docs/evaluation.md defines every metric.
+judge_auc, judge_auc_within (the AUC among one problem's samples, averaged over problems
+with both outcomes: what reranking needs) and the judge's precision / recall by
+difficulty tercile; when the run has an ORM (`tpu_jobs/orm.py`, `orm/` parameter server)
+its scores give orm@k, orm_accuracy, orm_auc and orm_auc_within the same way. docs/evaluation.md defines every metric.
 
 Writes `eval/v{N:08d}.parquet` (one row per sample) create-only and a summary record
 under `metrics/eval/`; a version already evaluated is skipped. Every version is sampled
@@ -47,6 +48,7 @@ from pipeline.metrics import (
     judge_stats_by_bucket,
     maj_at_k,
     pass_at_k,
+    within_problem_auc,
 )
 from pipeline.paramserver import ParamServer
 from pipeline.run import DONE_KEY, Run
@@ -137,6 +139,14 @@ def summarise_samples(
         auc = bootstrap_auc(s, correct, n_boot=n_boot, seed=seed)
         if auc is not None:
             out[f"{SCORERS[name][1]}_auc"] = dict(zip(("mean", "lo", "hi"), auc, strict=True))
+        within = within_problem_auc(s, correct)
+        if len(within):
+            mean, lo, hi = bootstrap_ci(within, n_boot=n_boot, seed=seed)
+            out[f"{SCORERS[name][1]}_auc_within"] = {
+                "mean": float(mean),
+                "lo": float(lo),
+                "hi": float(hi),
+            }
     return out
 
 

@@ -24,9 +24,10 @@ group slots, J = `rollout.judge_groups()` are judge groups and the other S = P -
 usual solve groups (the batch keeps its fixed size, so the trainer's shapes do not change
 with J). After the solve groups are generated and scored, judge group j judges one sampled
 solution of round 0 (every round-0 group is generated, whatever dynamic sampling keeps):
-a correct one when (batch index + j) is even, a wrong one when it is odd (the other kind
-when the round has none), drawn without replacement over all of the round's samples by a
-generator seeded with (seed, batch index), so judged solutions are balanced. Its G samples are verdicts: the sampler's prompt is the problem's
+a correct one when (batch index + j) is even, a wrong one when it is odd, drawn by a
+generator seeded with (seed, batch index) as `rollout.judge_pick` says: over the whole
+round ("round", `pick_judged_in_round`) or in same-problem pairs ("problem",
+`pick_judged_by_problem`), so judged solutions are balanced. Its G samples are verdicts: the sampler's prompt is the problem's
 prompt + the solution without EOS + `JUDGE_SUFFIX`, with VERDICT_MAX_TOKENS new tokens, keys
 from (seed, JUDGE_STREAM, batch index, j, sample), and the reward is `judge_reward` (1 iff
 the verdict matches the verifier's grade of the solution). Judge groups come after the
@@ -86,6 +87,51 @@ def sampler_mesh(cfg: Any, role: str) -> jax.sharding.Mesh | None:
             "machines (mesh.distributed applies to the trainer only)"
         )
     return meshlib.config_meshes(cfg.mesh, ("sampler",))["sampler"]
+
+
+def pick_judged_in_round(
+    verified: np.ndarray, g: int, n_judge: int, index: int, rng: np.random.Generator
+) -> list[int]:
+    """Rows of the judged solutions, balanced over the whole round: correct when
+    (index + j) is even, wrong when odd (the other kind when the round has none), drawn
+    without replacement and cycled when a kind runs out. Judging a few fixed slots gave
+    mostly wrong solutions at low pass rates, and "always n" then earned most reward."""
+    pools = {
+        True: list(rng.permutation(np.flatnonzero(verified))),
+        False: list(rng.permutation(np.flatnonzero(~verified))),
+    }
+    rows = []
+    for j in range(n_judge):
+        want = (index + j) % 2 == 0
+        pool = pools[want] or pools[not want]
+        i = int(pool.pop(0))
+        pool.append(i)
+        rows.append(i)
+    return rows
+
+
+def pick_judged_by_problem(
+    verified: np.ndarray, g: int, n_judge: int, index: int, rng: np.random.Generator
+) -> list[int]:
+    """Rows of the judged solutions in same-problem pairs: judge groups 2m and 2m + 1
+    judge a correct and a wrong sample of one problem whose group has both, so a verdict
+    cannot be told from the problem (its difficulty) alone, only from the solution; the
+    round-wide draw when no group is mixed."""
+    by_slot = verified.reshape(-1, g)
+    mixed = np.flatnonzero(by_slot.any(axis=1) & ~by_slot.all(axis=1))
+    if len(mixed) == 0:
+        return pick_judged_in_round(verified, g, n_judge, index, rng)
+    order = rng.permutation(mixed)
+    rows = []
+    for j in range(n_judge):
+        slot = int(order[(j // 2) % len(order)])
+        want = (index + j) % 2 == 0
+        rows.append(slot * g + int(rng.choice(np.flatnonzero(by_slot[slot] == want))))
+    return rows
+
+
+# rollout.judge_pick -> how the judged solutions are drawn from the round's samples.
+JUDGE_PICKS = {"round": pick_judged_in_round, "problem": pick_judged_by_problem}
 
 
 class RolloutWorker:
@@ -187,21 +233,9 @@ class RolloutWorker:
         n_slots = len(r["problems"])
         suffix = suffix_ids(self.tok)
         rng = np.random.default_rng([cfg.seed, JUDGE_STREAM, index])
-        # Balanced over the whole round: half the judged solutions correct, half wrong
-        # (while the round has both). Judging only a few fixed slots gave mostly wrong
-        # solutions at low pass rates, and "always n" then earned most of the reward.
-        verified = np.asarray(r["verified"][: n_slots * g])
-        pools = {
-            True: list(rng.permutation(np.flatnonzero(verified >= 1.0))),
-            False: list(rng.permutation(np.flatnonzero(verified < 1.0))),
-        }
-        picks = []  # (candidate slot, row of the judged solution)
-        for j in range(n_judge):
-            want = (index + j) % 2 == 0
-            pool = pools[want] or pools[not want]
-            i = int(pool.pop(0))
-            pool.append(i)  # cycle when a kind runs out
-            picks.append((i // g, i))
+        verified = np.asarray(r["verified"][: n_slots * g]) >= 1.0
+        pick = JUDGE_PICKS[cfg.rollout.judge_pick]
+        picks = [(i // g, i) for i in pick(verified, g, n_judge, index, rng)]
         contexts = [judge_context(r["completions"][i], suffix, self.tok.eos_id) for _, i in picks]
         prompts = [r["prompts"][i] + ctx for (_, i), ctx in zip(picks, contexts, strict=True)]
         out = self.sampler.generate(

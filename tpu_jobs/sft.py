@@ -7,7 +7,8 @@ starts when it has no checkpoint of its own.
 
 With `sft.judge_fraction` > 0 (for learning to judge), that fraction of the demonstrations
 go on with the verification suffix and a verdict, `[BOS] prompt | solution | ;ok? | v [EOS]`,
-v a fair coin or the verifier's grade of the solution (`sft.judge_labels`), so the base
+v a fair coin, the verifier's grade of the solution, or the verifier's grade of a solution
+drawn correct or wrong by a fair coin (`sft.judge_labels`, `JUDGE_LABELS`), so the base
 model writes verdicts where RL's judge groups ask for one. Those decisions use their own
 random stream: with judge_fraction = 0 the batches are exactly those of before.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +43,39 @@ def base_server(run: Run) -> ParamServer:
     return ParamServer(run.store.child(BASE_PREFIX))
 
 
+BALANCED_TRIES = 16  # teacher draws per demonstration to find a wrong solution
+
+
+def label_by_coin(task, problem, text, coin, rng, sft_cfg) -> tuple[str, str]:
+    """sft.judge_labels="random": the demonstration as drawn, a fair-coin verdict."""
+    return text, verdict_text(coin)
+
+
+def label_by_verifier(task, problem, text, coin, rng, sft_cfg) -> tuple[str, str]:
+    """sft.judge_labels="verifier": the demonstration as drawn, the verifier's verdict."""
+    return text, verdict_text(task.verify(problem, text) >= 1.0)
+
+
+def label_balanced(task, problem, text, coin, rng, sft_cfg) -> tuple[str, str]:
+    """sft.judge_labels="balanced": the coin picks a correct solution (the teacher without
+    its mistakes) or a wrong one (noisy teacher draws until one is wrong, at most
+    BALANCED_TRIES; a problem where the teacher cannot err keeps a correct one), and the
+    verifier labels it, so the verdict is independent of the problem's difficulty."""
+    if coin:
+        exact = replace(sft_cfg, carry_drop_prob=0.0, countdown_error_prob=0.0)
+        text = task.teacher_solution(problem, rng, exact)
+    else:
+        for _ in range(BALANCED_TRIES):
+            text = task.teacher_solution(problem, rng, sft_cfg)
+            if task.verify(problem, text) < 1.0:
+                break
+    return text, verdict_text(task.verify(problem, text) >= 1.0)
+
+
+# sft.judge_labels -> (task, problem, drawn text, coin, rng, sft config) -> (text, verdict)
+JUDGE_LABELS = {"random": label_by_coin, "verifier": label_by_verifier, "balanced": label_balanced}
+
+
 def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completion_len: int):
     cfg = run.config
     rng = np.random.default_rng([cfg.seed, step, 0x5F7])
@@ -57,10 +92,8 @@ def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completio
         text = task.teacher_solution(p, rng, cfg.sft)
         prompts.append(tok.encode_prompt(p.prompt))
         if judge_fraction > 0 and judged[row]:
-            if cfg.sft.judge_labels == "verifier":
-                verdict = verdict_text(task.verify(p, text) >= 1.0)
-            else:
-                verdict = verdict_text(bool(coins[row]))
+            label = JUDGE_LABELS[cfg.sft.judge_labels]
+            text, verdict = label(task, p, text, bool(coins[row]), jrng, cfg.sft)
             completions.append(
                 [*tok.encode(text), *suffix_ids(tok), *tok.encode_completion(verdict)]
             )

@@ -20,6 +20,7 @@ from pipeline.metrics import (
     pass_at_k_array,
     roc_auc,
     summarise,
+    within_problem_auc,
 )
 
 
@@ -255,3 +256,18 @@ def test_difficulty_terciles_and_precision_recall_by_bucket():
     assert easy["precision"] == 1.0 and easy["recall"] == pytest.approx(6 / 7)
     # Near-equal terciles by rank (larger first) even when every pass rate ties.
     assert np.bincount(difficulty_buckets(np.zeros((7, 2), bool))).tolist() == [3, 2, 2]
+
+
+def test_within_problem_auc_ranks_inside_each_problem():
+    """A judge that tells easy from hard problems but ranks each problem's own samples
+    backwards: pooled AUC 11/16, within-problem AUC 0 (reranking always picks wrong)."""
+    scores = np.array([[0.90, 0.95], [0.10, 0.20], [0.80, 0.85], [0.05, 0.06]])
+    correct = np.array([[True, False], [True, False], [True, True], [False, False]])
+    # Positives 0.9, 0.1, 0.8, 0.85 vs negatives 0.95, 0.2, 0.05, 0.06: 3 + 2 + 3 + 3 wins.
+    assert roc_auc(scores, correct) == pytest.approx(11 / 16)
+    assert within_problem_auc(scores, correct).tolist() == [0.0, 0.0]  # rows 2, 3 not mixed
+    ties = np.array([[0.3, 0.3, 0.7]])  # correct 0.3 vs wrong 0.3 (1/2) and 0.7 (0)
+    assert within_problem_auc(ties, np.array([[True, False, False]])).tolist() == [0.25]
+    assert within_problem_auc(np.zeros((2, 3)), np.ones((2, 3), bool)).size == 0
+    with pytest.raises(ValueError, match=r"\[P, n\]"):
+        within_problem_auc(np.zeros(3), np.zeros(3, bool))

@@ -186,6 +186,10 @@ def test_self_prm_reranking_on_constructed_scores():
     assert out["judge_accuracy"]["mean"] == pytest.approx(acc)
     assert out["orm_accuracy"]["mean"] == 1.0 and out["orm_auc"]["mean"] == 1.0
     assert 0.0 <= out["judge_auc"]["lo"] <= out["judge_auc"]["mean"] <= 1.0
+    # Within-problem AUC: row 0 correct {0.9, 0.9} vs wrong {0.2, 0.5} = 1; row 1 correct
+    # 0.7 vs wrong {0.8, 0.1, 0.1} = 2/3; row 2 all tied = 1/2.
+    assert out["judge_auc_within"]["mean"] == pytest.approx((1 + 2 / 3 + 1 / 2) / 3)
+    assert out["orm_auc_within"]["mean"] == 1.0
 
 
 def test_orm_learns_planted_labels_and_is_idempotent(small_run):

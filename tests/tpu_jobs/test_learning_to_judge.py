@@ -346,7 +346,7 @@ def test_tiny_run_with_judging(tiny_base, tmp_path):
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("labels", ["random", "verifier"])
+@pytest.mark.parametrize("labels", ["random", "verifier", "balanced"])
 def test_sft_judge_demonstrations(labels):
     from types import SimpleNamespace
 
@@ -361,21 +361,27 @@ def test_sft_judge_demonstrations(labels):
         tokens, mask, comp = teacher_batch(SimpleNamespace(config=c), problems, 3, TOK, 16, c_len)
         out[name] = [tokens[r, 16:][comp[r] > 0].tolist() for r in range(len(tokens))]
     prompts = [TOK.decode(t[:16]) for t in tokens]
-    judged = 0
+    judged, verdicts = 0, []
     for r, (plain, judge) in enumerate(zip(out["plain"], out["judge"], strict=True)):
         if plain == judge:
             continue
         judged += 1
-        # Same teacher solution (the teacher's draws do not move), then suffix, verdict, EOS.
-        assert judge[: len(plain) - 1] == plain[:-1] and judge[-1] == TOK.eos_id
-        assert judge[len(plain) - 1 : -2] == SUFFIX
+        # The solution, then suffix, verdict, EOS; the teacher's draws do not move (with
+        # "balanced" the judged solution is re-drawn from the judge stream instead).
+        solution = judge[: -2 - len(SUFFIX)]
+        assert judge[-2 - len(SUFFIX) : -2] == SUFFIX and judge[-1] == TOK.eos_id
+        if labels != "balanced":
+            assert solution == plain[:-1]
         verdict = TOK.decode(judge[-2:-1])
         assert verdict in ("y", "n")
-        if labels == "verifier":
+        verdicts.append(verdict)
+        if labels != "random":
             q = next(p for p in problems if p.prompt == prompts[r])
-            correct = ARITH.verify(q, TOK.decode(plain)) >= 1.0
+            correct = ARITH.verify(q, TOK.decode(solution)) >= 1.0
             assert verdict == ("y" if correct else "n")
     assert 16 < judged < 48  # about half of 64
+    if labels == "balanced":  # a fair coin, whatever the problem
+        assert 0.25 < verdicts.count("y") / judged < 0.75
 
 
 def test_judged_solutions_are_balanced_when_correct_ones_are_rare():
@@ -394,3 +400,44 @@ def test_judged_solutions_are_balanced_when_correct_ones_are_rare():
     # ForcedVerdicts: sample 0 says "y", sample 1 says "n".
     assert (cols["rw"][0], cols["rw"][1]) == (1.0, 0.0)  # correct solution
     assert (cols["rw"][g], cols["rw"][g + 1]) == (0.0, 1.0)  # wrong solution
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_judged_solutions_in_same_problem_pairs(index):
+    """judge_pick=problem: groups 2m, 2m+1 judge a correct and a wrong sample of one mixed
+    problem (slots 1 and 3 here; slots 0 and 2 are all wrong / all correct)."""
+    g, n_judge = 4, 6
+    verified = np.array([0, 0, 0, 0, 1, 0, 0, 1, 1, 1, 1, 1, 0, 1, 0, 0], bool)
+    rows = rw.pick_judged_by_problem(verified, g, n_judge, index, np.random.default_rng(index))
+    assert len(rows) == n_judge
+    for m in range(n_judge // 2):
+        a, b = rows[2 * m], rows[2 * m + 1]
+        assert a // g == b // g and a // g in (1, 3)  # same mixed problem
+        assert verified[a] != verified[b]  # one correct, one wrong
+        assert verified[a] == ((index + 2 * m) % 2 == 0)  # even j: the correct one
+    assert {r // g for r in rows} == {1, 3}  # the pairs cycle over both mixed problems
+
+
+def test_judge_pick_by_problem_falls_back_without_mixed_problems():
+    verified = np.array([0, 0, 1, 1], bool)  # slot 0 all wrong, slot 1 all correct
+    rows = rw.pick_judged_by_problem(verified, 2, 2, 0, np.random.default_rng(0))
+    assert verified[rows[0]] and not verified[rows[1]]  # the round-wide draw, balanced
+    assert tiny_config("rollout.judge_pick=problem").rollout.judge_pick == "problem"
+    with pytest.raises(ConfigError, match="rollout.judge_pick"):
+        tiny_config("rollout.judge_pick=slot")
+
+
+def test_balanced_sft_labels_do_not_depend_on_the_problem():
+    """sft.judge_labels=balanced: the coin decides correct ("y") or wrong ("n") for the
+    same problem; a problem without carries cannot be wrong and keeps "y"."""
+    from tpu_jobs.sft import label_balanced
+
+    sft = tiny_config().sft
+    carries, none = ARITH.make("+", 58796, 47658), ARITH.make("+", 12, 34)
+    rng = np.random.default_rng(0)
+    for coin in (True, False) * 5:
+        text, verdict = label_balanced(ARITH, carries, "unused", coin, rng, sft)
+        assert (ARITH.verify(carries, text) >= 1.0) == coin
+        assert verdict == ("y" if coin else "n")
+    text, verdict = label_balanced(ARITH, none, "unused", False, rng, sft)
+    assert ARITH.verify(none, text) == 1.0 and verdict == "y"
