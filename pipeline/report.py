@@ -48,6 +48,9 @@ GLOSSARY = {
     "self_prm": "self_prm@k: the sample with the highest self-score among the first k is "
     "correct (Self-PRM reranking; ties: earliest)",
     "orm": "orm@k: the sample with the highest ORM score among the first k is correct",
+    "self_prm_vs_maj": "self_prm_vs_maj@k: self_prm@k minus maj@k per problem, averaged; "
+    "its interval is a paired bootstrap (above 0: Self-PRM reranking beats the vote)",
+    "orm_vs_maj": "orm_vs_maj@k: orm@k minus maj@k per problem (paired, as above)",
     "mean_reward": "mean_reward: mean verifier reward over all samples",
     "judge_accuracy": "judge_accuracy: P(self-verdict == verifier), verdict = self-score > 0.5",
     "judge_auc": "judge_auc: ROC AUC of the self-score for the verifier's correctness",
@@ -74,7 +77,16 @@ def _family(name: str) -> str:
     return name.split("@", 1)[0] if "@" in name else name
 
 
-FAMILY_ORDER = ("pass", "maj", "avg", "self_prm", "orm", "mean_reward")
+FAMILY_ORDER = (
+    "pass",
+    "maj",
+    "avg",
+    "self_prm",
+    "orm",
+    "self_prm_vs_maj",
+    "orm_vs_maj",
+    "mean_reward",
+)
 JUDGE_ORDER = ("self_prm", "orm")
 BUCKET_ORDER = ("hard", "medium", "easy")
 

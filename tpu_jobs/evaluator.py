@@ -110,8 +110,9 @@ def summarise_samples(
 ) -> dict[str, dict[str, float]]:
     """correct/rewards: [problems, n]; answers: per problem, n extracted answers; scores:
     {SCORERS key: [problems, n]} (e.g. {"self_prm": self-scores}) for best-of-k reranking
-    (`{name}@k`: the highest-scored of the first k samples, ties to the earliest) and the
-    judge's accuracy (verdict = score > 0.5) and AUC against the verifier."""
+    (`{name}@k`: the highest-scored of the first k samples, ties to the earliest), its
+    paired difference with maj@k (`{name}_vs_maj@k`), and the judge's accuracy (verdict =
+    score > 0.5), AUC and within-problem AUC against the verifier."""
     n = correct.shape[1]
     per_problem: dict[str, np.ndarray] = {"mean_reward": rewards.mean(axis=1)}
     c = correct.sum(axis=1)
@@ -128,6 +129,8 @@ def summarise_samples(
             per_problem[f"{name}@{k}"] = np.array(
                 [float(best_of_k(si, ci, k)) for si, ci in zip(s, correct, strict=True)]
             )
+            # Paired per problem: its interval says whether reranking beats the vote.
+            per_problem[f"{name}_vs_maj@{k}"] = per_problem[f"{name}@{k}"] - per_problem[f"maj@{k}"]
     for name, s in (scores or {}).items():
         # Every problem has n samples, so the mean of per-problem accuracies is the accuracy.
         per_problem[f"{SCORERS[name][1]}_accuracy"] = ((s > JUDGE_THRESHOLD) == correct).mean(1)

@@ -181,6 +181,9 @@ def test_self_prm_reranking_on_constructed_scores():
         assert out[f"orm@{k}"]["mean"] == pytest.approx(bound)
         assert out[f"orm@{k}"]["mean"] >= out[f"self_prm@{k}"]["mean"]
     assert out["maj@4"]["mean"] == pytest.approx(np.mean([0, 0, 0]))  # "1"/"2" tie -> "1"
+    # Paired with the vote per problem: self_prm@4 [1, 0, 1] - maj@4 [0, 0, 0].
+    assert out["self_prm_vs_maj@4"]["mean"] == pytest.approx(2 / 3)
+    assert out["self_prm_vs_maj@4"]["lo"] >= 0.0  # no problem where the vote wins
     # Judge accuracy (score > 0.5): row 0 right on 0, 1, 3 (0.5 is "no", wrong) = 3/4 ...
     acc = ((self_s > 0.5) == correct).mean()
     assert out["judge_accuracy"]["mean"] == pytest.approx(acc)
