@@ -60,6 +60,8 @@ GLOSSARY = {
     "samples, mean over problems with both correct and wrong samples (what reranking needs)",
     "orm_auc_within": "orm_auc_within: the same within-problem AUC for the ORM score",
 }
+# Columns of the metrics-against-k table (those the record has).
+K_TABLE = ("pass", "maj", "self_prm", "orm", "self_prm_vs_maj", "orm_vs_maj")
 # Columns of the co-evolution table (per version).
 COEVOLUTION = (
     "pass@1",
@@ -373,7 +375,7 @@ def build_report(run: Run) -> str:
 
 def _k_section(rec: dict[str, Any]) -> list[str]:
     ks = _ks(rec)
-    fams = [f for f in ("pass", "maj", "self_prm", "orm") if f"{f}@{ks[0]}" in rec["metrics"]]
+    fams = [f for f in K_TABLE if f"{f}@{ks[0]}" in rec["metrics"]]
     lines = [
         "",
         f"## Metrics against k (v{rec['version']}, n={rec['num_samples']} samples per problem)",
