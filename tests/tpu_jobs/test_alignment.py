@@ -81,7 +81,9 @@ def test_bfloat16_sampler_drift_and_the_recomputed_anchor(setup):
     drift = np.abs(logp - inputs.logp_behaviour)[real]
     assert drift.max() > 1e-3  # bf16 sampling is visibly off
     assert drift.mean() > 30 * 1e-6  # far above the float32 agreement above
-    assert behaviour["logprob_absdiff_max"] == pytest.approx(drift.max(), rel=1e-5)
+    # The logged max comes from the step's program, `logp` from a separate forward: their
+    # log-probs (magnitude ~5) agree to a few float32 ulps (~1e-6), not to 1e-5 of 0.1.
+    assert behaviour["logprob_absdiff_max"] == pytest.approx(drift.max(), abs=1e-5)
     # Anchored at the sampler: the "on-policy" ratio is not 1.
     assert behaviour["ratio_max"] > 1.0 + 1e-3 and behaviour["ratio_min"] < 1.0 - 1e-3
     # Anchored at the recomputation: exactly 1, nothing clipped; the mismatch is in the
