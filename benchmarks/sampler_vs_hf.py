@@ -5,10 +5,11 @@ and loaded by `transformers` (float32, default attention implementation); the lo
 both on the prompts are compared first. Then batch 64 x 64 new tokens with sampling
 (temperature 1, no top-k/top-p, no early stop: EOS disabled in both) are timed, our
 `Sampler.generate` and HF `generate` interleaved `--repeats` times (the machine is shared
-and noisy), reporting medians, and the ratio of the fastest calls (interference only adds time, so
-"best/best" is the comparison least moved by other load). torch uses as many threads as the machine has cores
-(XLA's CPU client uses all of them too); `--extra-hf-threads 1` adds an HF row with one
-thread, which on a busy 2-core machine can be faster than two.
+and noisy), reporting medians, and the ratio of the fastest calls (interference only
+adds time, so "best/best" is the comparison least moved by other load). torch uses as
+many threads as the machine has cores (XLA's CPU client uses all of them too);
+`--extra-hf-threads 1` adds an HF row with one thread, which on a busy 2-core machine can
+be faster than two.
 
 Achieved FLOP/s count the useful model FLOPs of a call (2 x matmul parameters per token
 processed, LM head included, plus 4 x layers x heads x head_dim x context per token for

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.ports import free_port
+from tests.local_servers import free_port
 
 EMULATOR_BUCKET = "rlax-test"
 

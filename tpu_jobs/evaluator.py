@@ -11,7 +11,8 @@ judge suffix), giving self_prm@k (best of the first k by self-score), judge_accu
 judge_auc, judge_auc_within (the AUC among one problem's samples, averaged over problems
 with both outcomes: what reranking needs) and the judge's precision / recall by
 difficulty tercile; when the run has an ORM (`tpu_jobs/orm.py`, `orm/` parameter server)
-its scores give orm@k, orm_accuracy, orm_auc and orm_auc_within the same way. docs/evaluation.md defines every metric.
+its scores give orm@k, orm_accuracy, orm_auc and orm_auc_within the same way.
+docs/evaluation.md defines every metric.
 
 Writes `eval/v{N:08d}.parquet` (one row per sample) create-only and a summary record
 under `metrics/eval/`; a version already evaluated is skipped. Every version is sampled
@@ -134,22 +135,19 @@ def summarise_samples(
     for name, s in (scores or {}).items():
         # Every problem has n samples, so the mean of per-problem accuracies is the accuracy.
         per_problem[f"{SCORERS[name][1]}_accuracy"] = ((s > JUDGE_THRESHOLD) == correct).mean(1)
-    out = {}
-    for name, values in per_problem.items():
+
+    def interval(values: np.ndarray) -> dict[str, float]:
         mean, lo, hi = bootstrap_ci(values, n_boot=n_boot, seed=seed)
-        out[name] = {"mean": float(mean), "lo": float(lo), "hi": float(hi)}
+        return {"mean": float(mean), "lo": float(lo), "hi": float(hi)}
+
+    out = {name: interval(values) for name, values in per_problem.items()}
     for name, s in (scores or {}).items():
         auc = bootstrap_auc(s, correct, n_boot=n_boot, seed=seed)
         if auc is not None:
             out[f"{SCORERS[name][1]}_auc"] = dict(zip(("mean", "lo", "hi"), auc, strict=True))
-        within = within_problem_auc(s, correct)
+        within = within_problem_auc(s, correct)  # one value per problem with both outcomes
         if len(within):
-            mean, lo, hi = bootstrap_ci(within, n_boot=n_boot, seed=seed)
-            out[f"{SCORERS[name][1]}_auc_within"] = {
-                "mean": float(mean),
-                "lo": float(lo),
-                "hi": float(hi),
-            }
+            out[f"{SCORERS[name][1]}_auc_within"] = interval(within)
     return out
 
 

@@ -61,15 +61,13 @@ def label_balanced(task, problem, text, coin, rng, sft_cfg) -> tuple[str, str]:
     its mistakes) or a wrong one (noisy teacher draws until one is wrong, at most
     BALANCED_TRIES; a problem where the teacher cannot err keeps a correct one), and the
     verifier labels it, so the verdict is independent of the problem's difficulty."""
-    if coin:
-        exact = replace(sft_cfg, carry_drop_prob=0.0, countdown_error_prob=0.0)
-        text = task.teacher_solution(problem, rng, exact)
-    else:
-        for _ in range(BALANCED_TRIES):
-            text = task.teacher_solution(problem, rng, sft_cfg)
-            if task.verify(problem, text) < 1.0:
-                break
-    return text, verdict_text(task.verify(problem, text) >= 1.0)
+    teacher = replace(sft_cfg, carry_drop_prob=0.0, countdown_error_prob=0.0) if coin else sft_cfg
+    for _ in range(1 if coin else BALANCED_TRIES):
+        text = task.teacher_solution(problem, rng, teacher)
+        correct = task.verify(problem, text) >= 1.0
+        if correct == coin:
+            break
+    return text, verdict_text(correct)
 
 
 # sft.judge_labels -> (task, problem, drawn text, coin, rng, sft config) -> (text, verdict)

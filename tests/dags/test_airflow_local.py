@@ -15,6 +15,7 @@ from pipeline.airflow_local import (
 )
 from pipeline.cli import build_parser
 from tests.dags.conftest import DAGS
+from tests.local_servers import QuietHandler
 
 
 def test_env_binds_localhost_and_points_tasks_at_the_api_port(tmp_path):
@@ -83,10 +84,7 @@ class _LockedDatabaseAPI:
         self.gets = 0
         api = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):  # keep pytest output clean
-                pass
-
+        class Handler(QuietHandler):
             def _send(self, code: int, body: dict) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(code)

@@ -36,6 +36,7 @@ import pytest
 from pipeline.paramserver import ParamServer
 from pipeline.rollouts import from_parquet_bytes
 from pipeline.run import DONE_KEY, Run
+from tests.local_servers import QuietHandler
 from tests.runs import assert_bit_identical, clone_run, final_tensors, start, wait_all
 
 # Orbax reaches gs:// directories through etils.epath, whose GCS backend is fsspec's gcsfs.
@@ -223,11 +224,8 @@ class FaultProxy:
         self.gentle_faults = 0  # of those, on ``gentle`` requests
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:
-                pass
 
             def do_GET(self) -> None:
                 proxy._handle(self)

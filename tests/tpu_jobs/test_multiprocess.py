@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from pipeline import launcher
 from pipeline.paramserver import ParamServer
 from pipeline.run import DONE_KEY
-from tests.ports import free_port
+from tests.local_servers import free_port
 from tests.runs import commit_with_random_rewards, final_tensors, plain_and_variants, wait_all
 
 ROOT = Path(__file__).resolve().parents[2]
