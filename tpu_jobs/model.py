@@ -112,26 +112,35 @@ def init_cache(
 # --------------------------------------------------------------------------- pure math
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF RMSNorm: computed in float32, returned in x's dtype."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax.Array:
+    """HF RMSNorm over `axis` (the feature axis): computed in float32, returned in x's dtype."""
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=axis, keepdims=True) + eps)
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    return (y * weight.astype(jnp.float32).reshape(shape)).astype(x.dtype)
+
+
+def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> jax.Array:
+    """Rotary angles [*positions.shape, head_dim] in HF's layout (frequencies repeated,
+    not interleaved)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., hd/2]
+    return jnp.concatenate([freqs, freqs], axis=-1)
 
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [B, T, 1, head_dim] in HF's layout (frequencies repeated, not interleaved)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    """cos/sin [B, T, 1, head_dim] for positions [B, T]."""
+    emb = rope_angles(positions, head_dim, theta)[:, :, None, :]
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] (HF convention)."""
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, axis: int = -1) -> jax.Array:
+    """x * cos + rotate_half(x) * sin along `axis` (head_dim), with rotate_half(x) =
+    [-x2, x1] (HF convention); cos/sin broadcast against x."""
     xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    x1, x2 = jnp.split(xf, 2, axis=axis)
+    rotated = jnp.concatenate([-x2, x1], axis=axis)
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
@@ -199,13 +208,33 @@ class Attention(nnx.Module):
         """visible: [B, T, S] bool. cache_kv: (k_all, v_all, layer, slot) or None; layer is
         None for a per-layer cache (k_all, v_all: this layer's arrays, see KVCache)."""
         b, t, _ = x.shape
-        nkv, g, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        nkv, hd = self.num_kv_heads, self.head_dim
         q = self.q_proj(x).reshape(b, t, self.num_heads, hd)
         k = self.k_proj(x).reshape(b, t, nkv, hd)
+        v = self.v_proj(x).reshape(b, t, nkv, hd)
+        q, k = self.norm_rope(q, k, cos, sin)
+        out, new_cache = self.attend(q, k, v, visible, cache_kv)
+        return self.o_proj(out), new_cache
+
+    def norm_rope(self, q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array):
+        """q [B, T, heads, hd], k [B, T, kv, hd] -> (q, k) after q/k norm (Qwen3) and RoPE."""
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = self.v_proj(x).reshape(b, t, nkv, hd)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def attend(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        visible: jax.Array,
+        cache_kv: tuple[jax.Array, jax.Array, int, jax.Array] | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Attention of post-RoPE q [B, T, heads, hd] over k, v [B, T, kv, hd] (and the
+        cache, which gets them written at `slot`): (output [B, T, heads*hd] before o_proj,
+        updated (k, v) cache arrays or None)."""
+        b, t, _, hd = q.shape
+        nkv, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
         new_cache = None
         if cache_kv is not None and cache_kv[2] is None:
             return self._attend_per_layer(q, k, v, visible, *cache_kv[:2], cache_kv[3])
@@ -215,14 +244,14 @@ class Attention(nnx.Module):
             k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
             v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
             new_cache = (k_all, v_all)
-            k, v = k_all[layer].astype(x.dtype), v_all[layer].astype(x.dtype)
+            k, v = k_all[layer].astype(q.dtype), v_all[layer].astype(q.dtype)
         q = q.reshape(b, t, nkv, g, hd)
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
         scores = scores / math.sqrt(hd)
         scores = jnp.where(visible[:, None, None], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
         out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, self.num_heads * hd)
-        return self.o_proj(out), new_cache
+        return out, new_cache
 
     def _attend_per_layer(self, q, k, v, visible, k_cache, v_cache, slot):
         """Attention over a per-layer cache: k_cache [B, kv, hd, S], v_cache [B, kv, S, hd]."""
@@ -234,7 +263,7 @@ class Attention(nnx.Module):
         vt = v.transpose(0, 2, 1, 3).astype(v_cache.dtype)  # [B, kv, T, hd]
         v_cache = jax.lax.dynamic_update_slice(v_cache, vt, (zero, zero, slot, zero))
         if t == 1:
-            return self._decode_attend(q, visible, k_cache, v_cache)
+            return self._decode_attend(q, visible, k_cache, v_cache), (k_cache, v_cache)
         # Plain batched matmuls over (B, kv) with rows (g, T): XLA:CPU runs them as library
         # matmuls on the cache buffers in place.
         q = q.reshape(b, t, nkv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)
@@ -246,13 +275,14 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, nkv, g * t, -1)
         out = jnp.einsum("bkms,bksd->bkmd", probs, v_cache.astype(q.dtype))
         out = out.reshape(b, nkv, g, t, hd).transpose(0, 3, 1, 2, 4)  # [B, T, kv, g, hd]
-        return self.o_proj(out.reshape(b, t, self.num_heads * hd)), (k_cache, v_cache)
+        return out.reshape(b, t, self.num_heads * hd), (k_cache, v_cache)
 
     def _decode_attend(self, q, visible, k_cache, v_cache):
         """One query token per row (decode): scores and outputs as broadcast products reduced
         over head_dim / slots, which XLA fuses into two loops over the cache. Decode
         attention is bound by reading the cache, and B x kv matmuls of g rows each cost
-        ~1.5x as much on XLA:CPU (benchmarks/results/sampler_vs_hf.md)."""
+        ~1.5x as much on XLA:CPU (benchmarks/results/sampler_vs_hf.md). Returns
+        [B, 1, heads*hd] before o_proj."""
         b, _, _, hd = q.shape
         nkv, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
         qf = q.reshape(b, nkv, g, hd, 1).astype(jnp.float32)
@@ -261,10 +291,7 @@ class Attention(nnx.Module):
         scores = jnp.where(visible[:, :, None], scores, _MASKED)  # visible: [B, 1, S]
         probs = jax.nn.softmax(scores, axis=-1)[..., None]  # [B, kv, g, S, 1]
         out = jnp.sum(probs * v_cache[:, :, None].astype(jnp.float32), axis=3)  # [B, kv, g, hd]
-        return self.o_proj(out.astype(q.dtype).reshape(b, 1, self.num_heads * hd)), (
-            k_cache,
-            v_cache,
-        )
+        return out.astype(q.dtype).reshape(b, 1, self.num_heads * hd)
 
 
 class MLP(nnx.Module):
@@ -332,14 +359,10 @@ class Transformer(nnx.Module):
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
         if cache is None:
             key_mask, slot = mask, jnp.int32(0)
-            n_keys = t
         else:
             slot = jnp.asarray(0 if cache_index is None else cache_index, jnp.int32)
             key_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (jnp.int32(0), slot))
-            n_keys = cache.max_len
-        q_slot = slot + jnp.arange(t, dtype=jnp.int32)
-        k_slot = jnp.arange(n_keys, dtype=jnp.int32)
-        visible = (k_slot[None, None, :] <= q_slot[None, :, None]) & (key_mask[:, None, :] > 0)
+        visible = visible_keys(key_mask, slot, t)
 
         k_all = v_all = None
         if cache is not None:
@@ -385,6 +408,14 @@ def param_count(cfg: ModelConfig) -> int:
     attn += 2 * cfg.head_dim if cfg.qk_norm else 0
     layer = attn + 3 * h * i + 2 * h
     return v * h + cfg.num_layers * layer + h + (0 if cfg.tie_embeddings else h * v)
+
+
+def visible_keys(key_mask: jax.Array, slot: jax.Array, t: int) -> jax.Array:
+    """[B, T, S] bool: query i (at slot `slot + i`) sees key slot j iff j <= slot + i and
+    key_mask[:, j] == 1. key_mask: [B, S]."""
+    q_slot = slot + jnp.arange(t, dtype=jnp.int32)
+    k_slot = jnp.arange(key_mask.shape[1], dtype=jnp.int32)
+    return (k_slot[None, None, :] <= q_slot[None, :, None]) & (key_mask[:, None, :] > 0)
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

@@ -17,7 +17,10 @@ Speed (XLA:CPU, see benchmarks/results/sampler_vs_hf.md): the cache donated to t
 program is updated in place, and it uses the model's per-layer KV cache layout
 (`init_cache(per_layer=True)`), which the attention matmuls read without the per-step
 transposes of the stacked layout. Together with the up-front noise this halved the time of
-the `demo` preset; larger models are bound by the float32 matmuls of the decode steps.
+the `demo` preset. Larger models are bound by the float32 matmuls of the decode steps,
+which the feature-major decode layout (tpu_jobs.decode, the default on CPU for hidden
+sizes >= 256) runs ~10-15% faster; its transposed weights are prepared once per weight
+version and kept.
 
 Log-probs are those of the emitted tokens under softmax(logits / temperature) (raw logits
 when temperature == 0), before top-k / top-p filtering. Top-p is applied to the
@@ -38,6 +41,7 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from tpu_jobs import mesh as meshlib
+from tpu_jobs.decode import DECODE_LAYOUTS, DecodeLayout, default_layout
 from tpu_jobs.model import DTYPES, KVCache, Transformer, init_cache, positions_from_mask
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -118,8 +122,8 @@ def sample_step(
     filtered = filter_logits(scaled, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
     if noise is None:
         noise = step_noise(keys, jnp.asarray(step, jnp.int32)[None], logits.shape[-1])[:, 0]
-    sampled = jnp.argmax(filtered + noise, axis=-1)
-    token = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    # One argmax for both modes (an argmax is a slow reduction on XLA:CPU).
+    token = jnp.argmax(jnp.where(greedy, logits, filtered + noise), axis=-1).astype(jnp.int32)
     return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
@@ -133,9 +137,20 @@ def step_noise(keys: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
     return jax.vmap(row)(keys)
 
 
+def _cast_state(state: nnx.State, dtype: str) -> nnx.State:
+    cdt = DTYPES[dtype]
+    return jax.tree.map(lambda a: a.astype(cdt) if a.dtype != cdt else a, state)
+
+
+def _prepare(graphdef: nnx.GraphDef, state: nnx.State, *, layout: DecodeLayout, dtype: str):
+    """The decode layout's weights (tpu_jobs.decode), in the compute dtype."""
+    return layout.prepare(nnx.merge(graphdef, _cast_state(state, dtype)))
+
+
 def _generate(
     graphdef: nnx.GraphDef,
     state: nnx.State,
+    weights,
     tokens: jax.Array,
     mask: jax.Array,
     keys: jax.Array,
@@ -145,6 +160,7 @@ def _generate(
     top_k: jax.Array,
     top_p: jax.Array,
     *,
+    layout: DecodeLayout,
     n_new: int,
     dtype: str,
     use_top_k: bool,
@@ -153,10 +169,8 @@ def _generate(
     pad_id: int,
 ):
     """Prefill + while_loop decode. Returns (tokens, logprobs, lengths, finished, cache)."""
-    cdt = DTYPES[dtype]
     # Cast the weights once, outside the loop, so the body does not re-cast every step.
-    state = jax.tree.map(lambda a: a.astype(cdt) if a.dtype != cdt else a, state)
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, _cast_state(state, dtype))
     b, p = tokens.shape
     sample = functools.partial(
         sample_step,
@@ -190,7 +204,6 @@ def _generate(
     done = token == eos_id
     lengths = jnp.ones((b,), jnp.int32)
     pos = jnp.sum(mask, axis=-1).astype(jnp.int32)  # position of `token`
-    ones = jnp.ones((b, 1), jnp.int32)
 
     def cond(carry):
         step, *_, done, _ = carry
@@ -199,8 +212,8 @@ def _generate(
     def body(carry):
         step, cache, token, pos, out_tok, out_lp, done, lengths = carry
         # Feed the previous token (slot p + step - 1), then sample this step's token.
-        logits, cache = model(token[:, None], pos[:, None], ones, cache, p + step - 1, dtype=dtype)
-        new, logp = sample(logits[:, 0], keys, step, noise=noise_at(step))
+        logits, cache = layout.step(model, weights, token, pos, cache, p + step - 1, dtype)
+        new, logp = sample(logits, keys, step, noise=noise_at(step))
         new = jnp.where(done, pad_id, new)
         logp = jnp.where(done, 0.0, logp)
         out_tok = jax.lax.dynamic_update_slice(out_tok, new[:, None], (0, step))
@@ -242,6 +255,11 @@ class Sampler:
 
     `mesh` (see tpu_jobs.mesh): weights are placed by `PARAM_RULES`, prompts and the KV
     cache split over data x fsdp (batch buckets rounded up to a multiple of that size).
+
+    `decode_layout`: a name in `tpu_jobs.decode.DECODE_LAYOUTS`; None picks the faster one
+    for the model and the platform of the mesh (or the default device): feature_major on
+    CPU for hidden sizes >= 256 (`tpu_jobs.decode.default_layout`). feature_major keeps a
+    transposed copy of the weights it last saw (as much memory again as the weights).
     """
 
     def __init__(
@@ -254,6 +272,7 @@ class Sampler:
         prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
         new_token_buckets: Sequence[int] = DEFAULT_NEW_TOKEN_BUCKETS,
         mesh: jax.sharding.Mesh | None = None,
+        decode_layout: str | None = None,
     ):
         for name, buckets in (
             ("batch_buckets", batch_buckets),
@@ -262,6 +281,16 @@ class Sampler:
         ):
             if not buckets or any(int(b) <= 0 for b in buckets):
                 raise ValueError(f"{name}={buckets!r} is invalid; allowed: positive integers")
+        if decode_layout is None:
+            device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+            decode_layout = default_layout(device.platform, cfg.hidden_size)
+        if decode_layout not in DECODE_LAYOUTS:
+            raise ValueError(
+                f"decode_layout={decode_layout!r} is invalid; allowed: "
+                + ", ".join(map(repr, DECODE_LAYOUTS))
+            )
+        self.decode_layout = decode_layout
+        self._layout = DECODE_LAYOUTS[decode_layout]
         self.cfg = cfg
         self.pad_id, self.eos_id = int(pad_id), int(eos_id)
         self.batch_buckets = tuple(sorted(int(b) for b in batch_buckets))
@@ -269,6 +298,9 @@ class Sampler:
         self.new_token_buckets = tuple(sorted(int(b) for b in new_token_buckets))
         self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self._caches: dict[tuple, KVCache] = {}  # donated in, returned out, reused
+        # The decode layout's weights of the last weights seen: (dtype, their leaves, weights).
+        self._prepared: tuple[str, list, object] | None = None
+        self._prepare_fns: dict[tuple, jax.stages.Wrapped] = {}
         self._weights: tuple[nnx.GraphDef, nnx.State] | None = None
         self.mesh = mesh
 
@@ -280,6 +312,49 @@ class Sampler:
     def set_weights(self, model: Transformer) -> None:
         """Split `model` once; later `generate(None, ...)` calls use these weights."""
         self._weights = nnx.split(model)
+
+    def _split(self, model: Transformer | None) -> tuple[nnx.GraphDef, nnx.State, list]:
+        """(graphdef, state placed on the mesh, the given state's leaves): the leaves
+        identify the weights (`_prepared_weights`)."""
+        if model is not None:
+            graphdef, state = nnx.split(model)
+        elif self._weights is not None:
+            graphdef, state = self._weights
+        else:
+            raise ValueError("no weights: pass a model or call set_weights(model) first")
+        given = jax.tree.leaves(state)
+        if self.mesh is not None:  # a no-op for arrays already placed so
+            state = meshlib.shard_tree(state, self.mesh)
+        return graphdef, state, given
+
+    def prepare_weights(self, model: Transformer | None = None, dtype: str = "float32") -> None:
+        """Compute the decode layout's weights now (else the first `generate` with these
+        weights does): a transposed copy of every kernel for feature_major."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
+        jax.block_until_ready(self._prepared_weights(*self._split(model), dtype))
+
+    def _prepared_weights(self, graphdef, state, given: list, dtype: str):
+        """The decode layout's weights for `state`, recomputed only when the weights change
+        (new arrays: a new version loaded, or another model) or the dtype does. For
+        feature_major that is a transposed copy of every kernel (~0.3 s for 75M
+        parameters on 2 cores), too slow to repeat for every batch of one version."""
+        hit = self._prepared
+        if (
+            hit is not None
+            and hit[0] == dtype
+            and len(hit[1]) == len(given)
+            and all(a is b for a, b in zip(hit[1], given, strict=True))
+        ):
+            return hit[2]
+        self._prepared = None  # free the old weights first
+        fn = self._prepare_fns.get((graphdef, dtype))
+        if fn is None:
+            fn = jax.jit(functools.partial(_prepare, graphdef, layout=self._layout, dtype=dtype))
+            self._prepare_fns[(graphdef, dtype)] = fn
+        weights = fn(state)
+        self._prepared = (dtype, given, weights)
+        return weights
 
     def generate(
         self,
@@ -307,12 +382,7 @@ class Sampler:
             raise ValueError(f"top_p={top_p} is invalid; allowed: (0, 1] (1: off)")
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
-        if model is not None:
-            graphdef, state = nnx.split(model)
-        elif self._weights is not None:
-            graphdef, state = self._weights
-        else:
-            raise ValueError("no weights: pass a model or call set_weights(model) first")
+        graphdef, state, given = self._split(model)
         typed_keys = _as_keys(keys, n)
 
         bb = bucket(n, self.batch_buckets)
@@ -336,12 +406,12 @@ class Sampler:
         if cache is None:
             cache = init_cache(self.cfg, bb, pb + nb, dtype, per_layer=True)
         tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
-        if self.mesh is not None:  # no-ops for arrays already placed so
-            state = meshlib.shard_tree(state, self.mesh)
+        if self.mesh is not None:
             tokens, mask, typed_keys = meshlib.shard_batch((tokens, mask, typed_keys), self.mesh)
             cache = jax.device_put(cache, meshlib.cache_sharding(self.mesh, cache))
         args = (
             state,
+            self._prepared_weights(graphdef, state, given, dtype),
             tokens,
             mask,
             typed_keys,
@@ -357,6 +427,7 @@ class Sampler:
             fn = functools.partial(
                 _generate,
                 graphdef,
+                layout=self._layout,
                 n_new=nb,
                 dtype=dtype,
                 use_top_k=use_top_k,
@@ -364,7 +435,7 @@ class Sampler:
                 eos_id=self.eos_id,
                 pad_id=self.pad_id,
             )
-            compiled = jax.jit(fn, donate_argnums=(4,)).lower(*args).compile()
+            compiled = jax.jit(fn, donate_argnums=(5,)).lower(*args).compile()
             self._compiled[key] = compiled
         out_tok, out_lp, lengths, done, cache = compiled(*args)
         self._caches[cache_key] = cache

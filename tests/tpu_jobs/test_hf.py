@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from pipeline.config import ModelConfig  # noqa: E402
 from tpu_jobs import hf  # noqa: E402
+from tpu_jobs.decode import DECODE_LAYOUTS  # noqa: E402
 from tpu_jobs.model import flat_params, positions_from_mask  # noqa: E402
 from tpu_jobs.sampler import Sampler  # noqa: E402
 
@@ -117,8 +118,9 @@ def test_logits_match_transformers(checkpoints, family):
     assert np.abs(ref).max() > 0.5  # not a degenerate model
 
 
+@pytest.mark.parametrize("layout", sorted(DECODE_LAYOUTS))
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_generation_matches_transformers(checkpoints, family):
+def test_greedy_generation_matches_transformers(checkpoints, family, layout):
     hf_model, path = checkpoints[family]
     model, cfg = hf.load_hf_model(path)
     prompts = [[1, 5, 9, 17], [1, 40, 41, 42, 43, 44, 45, 46], [1, 7]]
@@ -134,7 +136,7 @@ def test_greedy_generation_matches_transformers(checkpoints, family):
             do_sample=False,
             pad_token_id=0,
         )[:, width:].numpy()
-    sampler = Sampler(cfg, pad_id=0, eos_id=-1)
+    sampler = Sampler(cfg, pad_id=0, eos_id=-1, decode_layout=layout)
     keys = jax.random.split(jax.random.key(0), len(prompts))
     out = sampler.generate(model, prompts, keys, max_new_tokens=32, temperature=0.0)
     assert ref.shape == (3, 32)

@@ -134,16 +134,18 @@ out["out_specs"] = M.describe(sh_params)
 prompts = [[1, *rng.integers(4, 64, n).tolist()] for n in (3, 7, 5, 9, 2, 6, 4, 8)]
 keys = jax.random.split(jax.random.key(3), len(prompts))
 model = init_model(cfg, 1)
-ref_s = Sampler(cfg, eos_id=-1)
-sh_s = Sampler(cfg, eos_id=-1, mesh=mesh)
+ref_s = Sampler(cfg, eos_id=-1, decode_layout="token_major")
 sharded_model = M.shard_model(init_model(cfg, 1), mesh)
-for name, temp, n in (("sample", 1.0, 8), ("greedy", 0.0, 8)):
-    a = ref_s.generate(model, prompts[:n], keys[:n], max_new_tokens=12, temperature=temp)
-    b = sh_s.generate(sharded_model, prompts[:n], keys[:n], max_new_tokens=12, temperature=temp)
-    out[name] = {"tokens_equal": bool(np.array_equal(a.tokens, b.tokens)),
-                 "logprob_diff": float(np.abs(a.logprobs - b.logprobs).max()),
-                 "distinct": int(len(np.unique(a.tokens)))}
-out["cache_spec"] = str(next(iter(sh_s._caches.values())).k[0].sharding.spec)
+for layout in ("token_major", "feature_major"):
+    sh_s = Sampler(cfg, eos_id=-1, mesh=mesh, decode_layout=layout)
+    for name, temp, n in (("sample", 1.0, 8), ("greedy", 0.0, 8)):
+        a = ref_s.generate(model, prompts[:n], keys[:n], max_new_tokens=12, temperature=temp)
+        b = sh_s.generate(sharded_model, prompts[:n], keys[:n], max_new_tokens=12,
+                          temperature=temp)
+        out[f"{layout}/{name}"] = {"tokens_equal": bool(np.array_equal(a.tokens, b.tokens)),
+                                   "logprob_diff": float(np.abs(a.logprobs - b.logprobs).max()),
+                                   "distinct": int(len(np.unique(a.tokens)))}
+    out[f"{layout}/cache_spec"] = str(next(iter(sh_s._caches.values())).k[0].sharding.spec)
 
 roles = M.role_meshes({"trainer": (1, 2, 2), "sampler": (-1, 1, 1)})
 out["roles"] = {r: [[d.id for d in m.devices.flat], dict(m.shape)] for r, m in roles.items()}
@@ -193,13 +195,15 @@ def test_train_step_on_mesh_matches_one_device(eight_devices):
     assert r["batch_spec"] == str(P(("data", "fsdp"), None))
 
 
-def test_sampling_on_mesh_matches_one_device(eight_devices):
+@pytest.mark.parametrize("layout", ["token_major", "feature_major"])
+def test_sampling_on_mesh_matches_one_device(eight_devices, layout):
+    """Both decode layouts on the [2, 2, 2] mesh against token_major on one device."""
     for name in ("sample", "greedy"):
-        r = eight_devices[name]
+        r = eight_devices[f"{layout}/{name}"]
         assert r["tokens_equal"], name
         assert r["logprob_diff"] <= 1e-5, name
         assert r["distinct"] > 5
-    assert eight_devices["cache_spec"] == str(P(("data", "fsdp"), "tensor"))
+    assert eight_devices[f"{layout}/cache_spec"] == str(P(("data", "fsdp"), "tensor"))
 
 
 def test_role_meshes_are_disjoint(eight_devices):

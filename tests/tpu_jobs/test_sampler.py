@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from pipeline.config import ModelConfig
+from tpu_jobs.decode import DECODE_LAYOUTS
 from tpu_jobs.model import flat_params, init_model, load_flat_params, sequence_logprobs
 from tpu_jobs.sampler import Sampler
 
@@ -52,9 +53,10 @@ def model():
     return random_model(seed=0)
 
 
-@pytest.fixture(scope="module")
-def sampler():
-    return Sampler(CFG, pad_id=PAD, eos_id=EOS)
+@pytest.fixture(scope="module", params=sorted(DECODE_LAYOUTS))
+def sampler(request):
+    """Every test that takes this fixture runs once per decode layout (tpu_jobs.decode)."""
+    return Sampler(CFG, pad_id=PAD, eos_id=EOS, decode_layout=request.param)
 
 
 @jax.jit(static_argnums=1)
