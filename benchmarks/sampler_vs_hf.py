@@ -4,9 +4,11 @@ Per preset: a random-init model of this project is exported with `tpu_jobs.hf.ex
 and loaded by `transformers` (float32, default attention implementation); the logits of
 both on the prompts are compared first. Then batch 64 x 64 new tokens with sampling
 (temperature 1, no top-k/top-p, no early stop: EOS disabled in both) are timed, our
-`Sampler.generate` and HF `generate` interleaved `--repeats` times (the machine is shared
-and noisy), reporting medians, and the ratio of the fastest calls (interference only
-adds time, so "best/best" is the comparison least moved by other load). torch uses as
+`Sampler.generate` in both decode layouts (`tpu_jobs.decode`) and HF `generate`
+interleaved `--repeats` times (the machine is shared and noisy), reporting medians, and
+the ratio of the fastest calls (interference only adds time, so "best/best" is the
+comparison least moved by other load). The HF table uses the layout a `Sampler` picks by
+default; a second table compares the two layouts. torch uses as
 many threads as the machine has cores (XLA's CPU client uses all of them too);
 `--extra-hf-threads 1` adds an HF row with one thread, which on a busy 2-core machine can
 be faster than two.
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import ModelConfig  # noqa: E402
 from tpu_jobs import hf  # noqa: E402
+from tpu_jobs.decode import DECODE_LAYOUTS  # noqa: E402
 from tpu_jobs.model import flat_params, init_model, param_count, positions_from_mask  # noqa: E402
 from tpu_jobs.sampler import Sampler  # noqa: E402
 
@@ -52,20 +55,28 @@ NOTES = """Reading the numbers:
 * The fair HF baseline is the `(2)` row (torch with one thread per core, as XLA uses
   every core). When the load average exceeds the core count, torch's OpenMP threads
   spin-wait at barriers and the `(2)` rows then measure contention more than HF; check
-  the load average above before reading them.
+  the load average above before reading them. This VM's speed also drifts with its
+  neighbours: the same call of ours took 4.7 s in one run and 5.5 s an hour later, with
+  HF moving alike, so compare within one run (the ratios), not across runs.
 * Peak and % of peak are measured in the same run, under the same load; they compare the
   two implementations, not the hardware's nominal peak.
-* `demo` (0.6M parameters) is bound by per-op overheads: ~10 small matmuls per step of
-  64 x 128 x 384 at most. `100m` decoding is bound by float32 matmuls of 64 rows against
-  75M weights per step, plus reading the KV cache (126 MB per step at 80 slots).
-  Profiled (jax.profiler, XLA:CPU, one decode step ~66 ms): the 84 matmuls ~54 ms (a
-  bare chain of the same matmuls runs at ~180 GFLOP/s, ~85% of the 2048^3 peak),
-  attention ~6 ms (cache reads at ~20 GB/s; as B x kv batched matmuls it took ~9.5 ms),
-  the rest (RoPE, norms, cache writes) ~6 ms. Prefill of the 64 x 16 prompt tokens is
-  ~0.8 s of the call at ~190 GFLOP/s. Fusing q/k/v or gate/up into one matmul did not
-  help, XLA:CPU flags (oneDNN, scheduler) did not either, and bfloat16 is slower here
-  (XLA:CPU 6.0 s per call vs 5.3 s in float32; torch bf16 5.2 s), so at batch 64 in
-  float32 the remaining gap to 1.5x HF is the matmuls themselves.
+* `demo` (0.6M parameters) is bound by per-call overheads: each of the ~40 matmuls of a
+  decode step costs ~45 us whatever its size (XLA:CPU's default YNNPACK dot path; the
+  Eigen path, `XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`, is ~3x slower), so
+  the feature-major layout, whose transposes add calls, is not used below hidden 256.
+* `100m` decoding is bound by the float32 matmuls of 64 rows against 75M weights per
+  step, plus reading the KV cache (126 MB per step at 80 slots, ~6 ms at the ~20 GB/s
+  this VM reads memory). In the feature-major layout (`tpu_jobs.decode`) every
+  projection is `W [out, in] @ x [in, batch]`: the same chain of matmuls takes ~52 ms
+  per step instead of ~65 ms as `x @ W` (measured in isolation), because the long weight
+  dimension, not the 64 batch rows, is tiled into register blocks. XLA rewrites
+  `transpose(W @ h)` into `h^T @ W^T`, which runs on a slower path (~2x); an optimization
+  barrier keeps the form (`decode._barrier`). Prefill (1024 rows) stays token major,
+  where `x @ W` is the faster form (~170 vs ~150 GFLOP/s).
+* Tried and dropped: XLA:CPU flags (oneDNN, XNNPACK, vector width, scheduler: no gain);
+  bfloat16 (bf16 matmuls of 64 rows run at ~75 GFLOP/s on XLA:CPU here vs ~160 in
+  float32); attention over only the filled cache slots (static phases would multiply
+  the compile time for ~2% less time); a two-device mesh on the two cores (slower).
 """
 RESULTS = Path(__file__).parent / "results" / "sampler_vs_hf.md"
 
@@ -122,14 +133,26 @@ def bench(preset: str, repeats: int, extra_threads: list[int]) -> dict:
         ref_logits = hf_model(ids).logits.numpy()
     logit_diff = float(np.abs(ours_logits - ref_logits).max())
 
-    sampler = Sampler(cfg, eos_id=-1)  # -1 is never sampled: every row runs NEW steps
-    sampler.set_weights(model)
+    # -1 is never sampled: every row runs NEW steps. Both decode layouts are timed; "ours"
+    # in the HF table is the one a Sampler picks by default here.
+    samplers = {name: Sampler(cfg, eos_id=-1, decode_layout=name) for name in DECODE_LAYOUTS}
+    default = Sampler(cfg).decode_layout
+    for s in samplers.values():
+        s.set_weights(model)
+    # One-time weight preparation of feature_major (transposed kernels), for a weight
+    # version after the first (the first includes compiling the preparation).
+    fm = samplers["feature_major"]
+    fm.prepare_weights()
+    fm.set_weights(init_model(cfg, seed=0))  # same values, new arrays
+    t = time.perf_counter()
+    fm.prepare_weights()
+    prep = time.perf_counter() - t
 
-    def run_ours(seed: int) -> float:
+    def run_ours(seed: int, which: str) -> float:
         keys = jax.random.split(jax.random.key(seed), BATCH)
         time.sleep(SETTLE_S)
         t = time.perf_counter()
-        out = sampler.generate(None, prompts, keys, max_new_tokens=NEW, temperature=1.0)
+        out = samplers[which].generate(None, prompts, keys, max_new_tokens=NEW, temperature=1.0)
         dt = time.perf_counter() - t
         assert int(out.lengths.sum()) == BATCH * NEW
         return dt
@@ -154,17 +177,19 @@ def bench(preset: str, repeats: int, extra_threads: list[int]) -> dict:
         assert out.shape == (BATCH, PROMPT + NEW)
         return dt
 
-    first = run_ours(0)  # compile + run
+    first = {name: run_ours(0, name) for name in samplers}  # compile + run
     run_hf(0, cores)  # warm-up
-    times: dict[str, list[float]] = {"ours": [], f"hf{cores}": []}
+    times: dict[str, list[float]] = {name: [] for name in samplers}
+    times[f"hf{cores}"] = []
     times.update({f"hf{t}": [] for t in extra_threads if t != cores})
     peaks = []
     for r in range(repeats):
         peaks.append(matmul_peak())
-        times["ours"].append(run_ours(r + 1))
         for key in times:
             if key.startswith("hf"):
                 times[key].append(run_hf(r + 1, int(key[2:])))
+            else:
+                times[key].append(run_ours(r + 1, key))
         print(
             f"[{preset}] repeat {r + 1}/{repeats}: "
             + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items())
@@ -179,7 +204,9 @@ def bench(preset: str, repeats: int, extra_threads: list[int]) -> dict:
         preset=preset,
         params=param_count(cfg),
         cores=cores,
-        first=first,
+        first=first[default],
+        prep=prep,
+        layout=default,
         logit_diff=logit_diff,
         peak=peak,
         flops=flops,
@@ -192,25 +219,44 @@ def bench(preset: str, repeats: int, extra_threads: list[int]) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| preset | params | ours tok/s | HF tok/s (threads) | speedup | speedup best/best "
+        "| preset | params | ours (layout) tok/s | HF tok/s (threads) | speedup | speedup best/best "
         "| ours GFLOP/s (% peak) | HF GFLOP/s (% peak) | peak GFLOP/s | ours compile+first (s) "
         "| max logit diff |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         tok = BATCH * NEW
-        ours = r["med"]["ours"]
+        ours = r["med"][r["layout"]]
         for key, hf_t in r["med"].items():
             if not key.startswith("hf"):
                 continue
             lines.append(
-                f"| {r['preset']} | {r['params']:,} | {tok / ours:,.0f} | "
+                f"| {r['preset']} | {r['params']:,} | {tok / ours:,.0f} ({r['layout']}) | "
                 f"{tok / hf_t:,.0f} ({key[2:]}) | {hf_t / ours:.2f}x | "
-                f"{min(r['times'][key]) / min(r['times']['ours']):.2f}x | "
+                f"{min(r['times'][key]) / min(r['times'][r['layout']]):.2f}x | "
                 f"{r['flops'] / ours / 1e9:.1f} ({100 * r['flops'] / ours / r['peak']:.0f}%) | "
                 f"{r['flops'] / hf_t / 1e9:.1f} ({100 * r['flops'] / hf_t / r['peak']:.0f}%) | "
                 f"{r['peak'] / 1e9:.0f} | {r['first']:.1f} | {r['logit_diff']:.1e} |"
             )
+    return "\n".join(lines)
+
+
+def layout_table(rows: list[dict]) -> str:
+    """feature_major against token_major (the model's own forward), same run."""
+    lines = [
+        "| preset | default layout | feature_major tok/s | token_major tok/s "
+        "| feature/token | feature/token best/best | feature_major weight prep (s) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    tok = BATCH * NEW
+    for r in rows:
+        med, t = r["med"], r["times"]
+        fm, tm = med["feature_major"], med["token_major"]
+        lines.append(
+            f"| {r['preset']} | {r['layout']} | {tok / fm:,.0f} | {tok / tm:,.0f} | "
+            f"{tm / fm:.2f}x | {min(t['token_major']) / min(t['feature_major']):.2f}x | "
+            f"{r['prep']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -228,6 +274,7 @@ def main() -> None:
 
     rows = [bench(p, args.repeats, extra) for p in args.presets.split(",")]
     print(table(rows))
+    print(layout_table(rows))
     raw = []
     for r in rows:
         for k, v in r["times"].items():
@@ -254,6 +301,13 @@ Machine: {platform.machine()}, {rows[0]["cores"]} CPUs (load average
 torch {torch.__version__}, transformers {transformers.__version__}.
 
 {table(rows)}
+
+Decode layouts (`tpu_jobs.decode`), same run: `ours` above is the layout a `Sampler`
+picks by default for the preset here; `token_major` is the model's own forward in the
+decode loop. feature_major's weight preparation (a transposed copy of every kernel)
+runs once per weight version, outside the timed calls, and is timed here on its own.
+
+{layout_table(rows)}
 
 Raw timings (s) and peaks, in run order:
 
