@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 
 from pipeline.config import ModelConfig
+from tests.tpu_jobs.random_weights import random_model
 from tpu_jobs.decode import DECODE_LAYOUTS, default_layout
 from tpu_jobs.model import (
     flat_params,
     init_cache,
-    init_model,
     load_flat_params,
     positions_from_mask,
 )
@@ -26,22 +26,6 @@ VARIANTS = {
     "qwen2_untied": ModelConfig(preset="tiny", qkv_bias=True, tie_embeddings=False),
     "qwen3": ModelConfig(preset="tiny", qk_norm=True, num_kv_heads=1),
 }
-
-
-def spread_model(cfg: ModelConfig, seed: int):
-    """Random weights large enough that logits differ by O(1) between tokens."""
-    model = init_model(cfg, 0)
-    rng = np.random.default_rng(seed)
-    flat = {
-        n: (
-            1 + 0.2 * rng.standard_normal(v.shape)
-            if n.endswith("norm.weight")
-            else 0.3 * rng.standard_normal(v.shape)
-        ).astype(np.float32)
-        for n, v in flat_params(model).items()
-    }
-    load_flat_params(model, flat)
-    return model
 
 
 def decode_logits(layout: str, model, prompt: np.ndarray, fed: np.ndarray, dtype: str):
@@ -72,7 +56,7 @@ def decode_logits(layout: str, model, prompt: np.ndarray, fed: np.ndarray, dtype
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_feature_major_step_equals_full_forward(variant):
     cfg = VARIANTS[variant]
-    model = spread_model(cfg, seed=1)
+    model = random_model(cfg, seed=1, std=0.3)
     rng = np.random.default_rng(0)
     seq = rng.integers(3, cfg.vocab_size, (5, 9)).astype(np.int32)
     prompt, fed = seq[:, :6], seq[:, 6:]
@@ -103,7 +87,7 @@ def test_default_layout_and_bad_names():
 
 def test_weights_prepared_once_per_weight_version():
     cfg = VARIANTS["qwen2_untied"]
-    model = spread_model(cfg, seed=2)
+    model = random_model(cfg, seed=2)
     sampler = Sampler(cfg, eos_id=-1, decode_layout="feature_major")
     keys = jax.random.split(jax.random.key(0), 2)
     prompts = [[1, 5, 6], [1, 9]]
@@ -113,7 +97,7 @@ def test_weights_prepared_once_per_weight_version():
     np.testing.assert_array_equal(head, np.asarray(model.lm_head.kernel[...]).T)
     sampler.generate(model, prompts, keys, max_new_tokens=6)
     assert sampler._prepared[2] is prepared  # same weights: reused
-    load_flat_params(model, flat_params(spread_model(cfg, seed=3)))  # in place, new arrays
+    load_flat_params(model, flat_params(random_model(cfg, seed=3)))  # in place, new arrays
     b = sampler.generate(model, prompts, keys, max_new_tokens=6)
     assert sampler._prepared[2] is not prepared
     fresh = Sampler(cfg, eos_id=-1, decode_layout="feature_major")

@@ -8,9 +8,10 @@ import pytest
 from pipeline.config import ModelConfig
 from pipeline.tasks.judge import JUDGE_SUFFIX
 from pipeline.tokenizer import get_tokenizer
+from tests.tpu_jobs.random_weights import random_model
 from tpu_jobs.batching import pack_rows
 from tpu_jobs.judge import judge_sequences, self_scores, suffix_ids, verdict_ids, verdict_logprobs
-from tpu_jobs.model import flat_params, init_model, load_flat_params, sequence_logprobs
+from tpu_jobs.model import sequence_logprobs
 
 CFG = ModelConfig(preset="tiny", tie_embeddings=False)
 TOK = get_tokenizer("char")
@@ -18,18 +19,7 @@ TOK = get_tokenizer("char")
 
 @pytest.fixture(scope="module")
 def model():
-    m = init_model(CFG, 0)
-    rng = np.random.default_rng(3)
-    flat = {
-        name: (
-            (1.0 + 0.1 * rng.standard_normal(v.shape))
-            if name.endswith("norm.weight")
-            else 0.3 * rng.standard_normal(v.shape)
-        ).astype(np.float32)
-        for name, v in flat_params(m).items()
-    }
-    load_flat_params(m, flat)
-    return m
+    return random_model(CFG, seed=3, std=0.3, norm_std=0.1)
 
 
 def _cases():

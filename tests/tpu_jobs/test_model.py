@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from pipeline.config import ModelConfig
+from tests.tpu_jobs.random_weights import random_model
 from tpu_jobs.model import (
     flat_params,
     init_cache,
@@ -21,20 +22,6 @@ from tpu_jobs.model import (
 )
 
 TINY = ModelConfig(preset="tiny")
-
-
-def random_model(cfg: ModelConfig, seed: int, std: float = 0.2):
-    """A model with random (not init-like) values everywhere: biases and norm weights too."""
-    model = init_model(cfg, 0)
-    rng = np.random.default_rng(seed)
-    flat = {}
-    for name, value in flat_params(model).items():
-        if name.endswith("layernorm.weight") or name == "norm.weight":
-            flat[name] = (1.0 + 0.2 * rng.standard_normal(value.shape)).astype(np.float32)
-        else:
-            flat[name] = (std * rng.standard_normal(value.shape)).astype(np.float32)
-    load_flat_params(model, flat)
-    return model
 
 
 def np_forward(flat: dict[str, np.ndarray], cfg: ModelConfig, tokens, mask) -> np.ndarray:
