@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import ModelConfig  # noqa: E402
 from tpu_jobs import hf  # noqa: E402
-from tpu_jobs.decode import DECODE_LAYOUTS  # noqa: E402
+from tpu_jobs.decode import DECODE_LAYOUTS, default_layout  # noqa: E402
 from tpu_jobs.model import flat_params, init_model, param_count, positions_from_mask  # noqa: E402
 from tpu_jobs.sampler import Sampler  # noqa: E402
 
@@ -139,7 +139,7 @@ def bench(preset: str, repeats: int, repeats_small: int, extra_threads: list[int
     # -1 is never sampled: every row runs NEW steps. Both decode layouts are timed; "ours"
     # in the HF table is the one a Sampler picks by default here.
     samplers = {name: Sampler(cfg, eos_id=-1, decode_layout=name) for name in DECODE_LAYOUTS}
-    default = Sampler(cfg).decode_layout
+    default = default_layout(jax.default_backend(), cfg.hidden_size)
     for s in samplers.values():
         s.set_weights(model)
     # One-time weight preparation of feature_major (transposed kernels), for a weight

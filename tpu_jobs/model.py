@@ -121,26 +121,19 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax
     return (y * weight.astype(jnp.float32).reshape(shape)).astype(x.dtype)
 
 
-def rope_angles(positions: jax.Array, head_dim: int, theta: float) -> jax.Array:
-    """Rotary angles [*positions.shape, head_dim] in HF's layout (frequencies repeated,
-    not interleaved)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., hd/2]
-    return jnp.concatenate([freqs, freqs], axis=-1)
-
-
 def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin [B, T, 1, head_dim] for positions [B, T]."""
-    emb = rope_angles(positions, head_dim, theta)[:, :, None, :]
+    """cos/sin [B, T, 1, head_dim] in HF's layout (frequencies repeated, not interleaved)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, axis: int = -1) -> jax.Array:
-    """x * cos + rotate_half(x) * sin along `axis` (head_dim), with rotate_half(x) =
-    [-x2, x1] (HF convention); cos/sin broadcast against x."""
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] (HF convention)."""
     xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=axis)
-    rotated = jnp.concatenate([-x2, x1], axis=axis)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
