@@ -92,7 +92,7 @@ def prepare_base(args: argparse.Namespace, log) -> Run:
     run = Run.create(url, cfg)
     t0 = time.time()
     write_data(run)
-    train_sft(run, log_every=100)
+    train_sft(run)
     log(f"[bench] SFT base model in {time.time() - t0:.0f}s")
     return run
 

@@ -138,11 +138,17 @@ class TaskConfig:
 class SFTConfig:
     """Bootstrap of the base model on a noisy teacher's worked solutions."""
 
-    steps: int = 600
+    steps: int = 600  # with target_loss > 0: the cap
     batch_size: int = 64
     lr: float = 3e-3
     warmup_steps: int = 50
     weight_decay: float = 0.01
+    # Stop once the mean loss of the last `check_every` steps is at most this (0: off, run
+    # all `steps`). The loss sits on a plateau and then drops at a step that depends on
+    # the seed and the CPU's float rounding; a fixed step count lands before the drop on
+    # some and far past it on others, a target stops each run at the same quality.
+    target_loss: float = 0.0
+    check_every: int = 25
     # The teacher's systematic mistake: each carry is dropped with this probability.
     carry_drop_prob: float = 0.4
     # Fraction of countdown demonstrations whose final step is wrong.
@@ -164,6 +170,8 @@ class SFTConfig:
         _check(self.steps >= 0, "sft.steps", self.steps, ">= 0")
         _check(self.batch_size > 0, "sft.batch_size", self.batch_size, "> 0")
         _check(self.lr > 0, "sft.lr", self.lr, "> 0")
+        _check(self.target_loss >= 0, "sft.target_loss", self.target_loss, ">= 0 (0: off)")
+        _check(self.check_every >= 1, "sft.check_every", self.check_every, ">= 1")
         _check(0 <= self.carry_drop_prob < 1, "sft.carry_drop_prob", self.carry_drop_prob, "[0, 1)")
         _check(
             0 <= self.countdown_error_prob < 1,

@@ -116,7 +116,8 @@ def run_demo(run: Run, workers: int, eval_every: int) -> str:
         f"({', '.join(cfg.task.families)})"
     )
 
-    print(f"[2/5] SFT bootstrap on a noisy teacher ({cfg.sft.steps} steps)")
+    until = f"until loss <= {cfg.sft.target_loss:g}, at most " if cfg.sft.target_loss > 0 else ""
+    print(f"[2/5] SFT bootstrap on a noisy teacher ({until}{cfg.sft.steps} steps)")
     fleet = Fleet(run)
     fleet.start("sft", "sft")
     _follow(run, fleet, "sft", cfg.sft.steps, "sft", lambda: not fleet.alive("sft"), _loss_postfix)

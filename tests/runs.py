@@ -83,7 +83,7 @@ def make_base(url: str, cfg: RunConfig) -> Run:
 
     run = Run.create(url, cfg)
     write_data(run)
-    train_sft(run, log_every=10_000)
+    train_sft(run)
     return run
 
 

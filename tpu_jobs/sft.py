@@ -103,8 +103,15 @@ def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completio
     return pack_rows(prompts, completions, prompt_len, width, tok.pad_id)
 
 
-def train_sft(run: Run, log_every: int = 25) -> dict[str, float]:
+def train_sft(run: Run) -> dict[str, float]:
+    """Train the base model and publish it as version 0 of `base/`.
+
+    Runs `sft.steps` steps, or with `sft.target_loss` > 0 stops early at the first check
+    (every `sft.check_every` steps) where the mean loss since the last check is at most
+    the target; the steps used and whether the target was reached go into the metrics
+    and the snapshot's metadata."""
     cfg = run.config
+    sc = cfg.sft
     server = base_server(run)
     if 0 in server.versions():
         print(f"[sft] base model already published at {run.url}/{BASE_PREFIX}; skipping")
@@ -113,11 +120,11 @@ def train_sft(run: Run, log_every: int = 25) -> dict[str, float]:
     problems = run.read_problems("train")
     prompt_len = round_up(max(len(tok.encode_prompt(p.prompt)) for p in problems), 8)
     completion_len = cfg.sampler.max_new_tokens
-    if cfg.sft.judge_fraction > 0:  # room for the suffix and the verdict
+    if sc.judge_fraction > 0:  # room for the suffix and the verdict
         completion_len = judged_completion_len(completion_len, tok)
 
     fns, params = new_model(cfg.model, cfg.seed)
-    tx = make_optimizer(cfg.sft.lr, cfg.sft.warmup_steps, cfg.sft.steps, cfg.sft.weight_decay, 1.0)
+    tx = make_optimizer(sc.lr, sc.warmup_steps, sc.steps, sc.weight_decay, 1.0)
     opt_state = tx.init(params)
 
     def loss_fn(params, tokens, mask, comp_mask):
@@ -133,29 +140,52 @@ def train_sft(run: Run, log_every: int = 25) -> dict[str, float]:
     t0 = time.time()
     tokens_seen = 0
     loss = float("nan")
-    for step in range(cfg.sft.steps):
+    window: list[jax.Array] = []  # this check's step losses, read once per check
+    reached = False
+    step = 0
+    for step in range(1, sc.steps + 1):
         tokens, mask, comp_mask = teacher_batch(
-            run, problems, step, tok, prompt_len, completion_len
+            run, problems, step - 1, tok, prompt_len, completion_len
         )
         params, opt_state, loss_arr = step_fn(params, opt_state, tokens, mask, comp_mask)
+        window.append(loss_arr)
         tokens_seen += int(mask.sum())
-        if (step + 1) % log_every == 0 or step + 1 == cfg.sft.steps:
-            loss = float(loss_arr)
+        if step % sc.check_every == 0 or step == sc.steps:
+            loss = float(np.mean(jax.device_get(window)))
+            window.clear()
+            reached = sc.target_loss > 0 and loss <= sc.target_loss
             elapsed = time.time() - t0
+            target = f" (target {sc.target_loss:g})" if sc.target_loss > 0 else ""
             print(
-                f"[sft] step {step + 1}/{cfg.sft.steps} loss {loss:.4f} "
+                f"[sft] step {step}/{sc.steps} loss {loss:.4f}{target} "
                 f"{tokens_seen / elapsed:,.0f} tok/s {elapsed:.0f}s",
                 flush=True,
             )
-            run.log_metrics("sft", step + 1, {"loss": loss, "elapsed_s": elapsed})
+            run.log_metrics("sft", step, {"loss": loss, "elapsed_s": elapsed})
+            if reached:
+                print(f"[sft] reached the target loss at step {step}", flush=True)
+                break
+    if sc.target_loss > 0 and not reached:
+        print(
+            f"[sft] the target loss {sc.target_loss:g} was not reached in {sc.steps} steps "
+            f"(last {loss:.4f}); publishing the model as it is",
+            flush=True,
+        )
     server.publish(
         0,
         params_to_flat(fns, params),
         epoch=server.acquire_epoch(),
-        metadata={"source": "sft", "steps": cfg.sft.steps, "final_loss": loss},
+        metadata={
+            "source": "sft",
+            "steps": step,
+            "max_steps": sc.steps,
+            "target_loss": sc.target_loss,
+            "target_reached": reached,
+            "final_loss": loss,
+        },
     )
-    print(f"[sft] published base model in {time.time() - t0:.0f}s", flush=True)
-    return {"loss": loss, "seconds": time.time() - t0}
+    print(f"[sft] published base model after {step} steps in {time.time() - t0:.0f}s", flush=True)
+    return {"loss": loss, "steps": step, "seconds": time.time() - t0}
 
 
 def main(argv: list[str] | None = None) -> int:

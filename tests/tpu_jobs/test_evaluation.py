@@ -122,7 +122,7 @@ def small_run(tmp_path_factory):
     )
     run = Run.create(str(tmp_path_factory.mktemp("eval-run") / "run"), cfg)
     write_data(run)
-    train_sft(run, log_every=10_000)
+    train_sft(run)
     ps = ParamServer(run.store)
     ps.publish(0, dict(base_server(run).pull(0).tensors), epoch=ps.acquire_epoch())
     solve_rows = planted_batches(run)
