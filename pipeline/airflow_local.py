@@ -423,8 +423,11 @@ class ProgressPrinter:
         self.out = out or sys.stdout
         self.states: dict[str, tuple[str | None, int]] = {}
         self.run_url = run_url
-        # metrics stream -> (label, total steps or None)
-        self.streams = {"sft": ("SFT step", sft_steps), "train": ("trainer step", steps)}
+        # metrics stream -> (label, total steps or None, the record's value to show)
+        self.streams = {
+            "sft": ("SFT step", sft_steps, "loss"),
+            "train": ("trainer step", steps, "reward_mean"),
+        }
         self.last: dict[str, int] = {}
         self.t0 = time.monotonic()
 
@@ -457,8 +460,12 @@ class ProgressPrinter:
             step = int(keys[-1].rsplit("/", 1)[-1].split(".")[0])
             if step != self.last.get(stream):
                 self.last[stream] = step
-                label, total = self.streams[stream]
-                self._print(f"{label} {step}" + (f"/{total}" if total else ""))
+                label, total, name = self.streams[stream]
+                try:
+                    value = f"  {name} {json.loads(store.read(keys[-1]))[name]:.4f}"
+                except Exception:  # noqa: BLE001 - best effort, as above
+                    value = ""
+                self._print(f"{label} {step}" + (f"/{total}" if total else "") + value)
 
 
 # ------------------------------------------------------------------ commands
