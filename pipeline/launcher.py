@@ -30,9 +30,36 @@ def job_command(role: str, run_url: str, extra: Sequence[str] = ()) -> list[str]
     return [sys.executable, "-m", JOBS[role], "--run", run_url, *extra]
 
 
+# JAX's persistent compilation cache, shared by every job of this machine: a worker or
+# trainer restarted after preemption, the evaluator after the workers (the same sampler
+# programs) and the next run of the same config load compiled programs instead of
+# compiling them again. XLA keys entries by program, compiler version and flags, so a
+# hit runs the very program a fresh compile would have built. RLAX_COMPILE_CACHE picks
+# the directory ("off" disables it); JAX_COMPILATION_CACHE_DIR, if set, wins.
+COMPILE_CACHE_ENV = "RLAX_COMPILE_CACHE"
+DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "rlax" / "jax-compile"
+# Cache programs that took at least this long to compile (JAX's default, 1 s, skips most
+# of the sampler's and trainer's CPU programs, each 0.1-1 s, and there are dozens).
+COMPILE_CACHE_MIN_SECONDS = "0.1"
+
+
+def compile_cache_env(environ: dict[str, str]) -> dict[str, str]:
+    """The JAX_* variables that turn on the persistent compilation cache for a job."""
+    where = environ.get(COMPILE_CACHE_ENV, str(DEFAULT_COMPILE_CACHE))
+    if where.lower() == "off" or "JAX_COMPILATION_CACHE_DIR" in environ:
+        return {}
+    return {
+        "JAX_COMPILATION_CACHE_DIR": where,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": environ.get(
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", COMPILE_CACHE_MIN_SECONDS
+        ),
+    }
+
+
 def job_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(compile_cache_env(env))
     return env
 
 

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 import threading
 import time
@@ -22,6 +24,42 @@ import pytest
 from tests.local_servers import free_port
 
 EMULATOR_BUCKET = "rlax-test"
+
+# The files that take a minute or more (`pytest --durations`), run first so that the
+# xdist workers end on short files instead of one worker finishing a long one alone
+# (longest-first scheduling; `make test` distributes whole files, `--dist loadfile`).
+SLOW_FILES_FIRST = (
+    "tests/dags/test_airflow_e2e.py",
+    "tests/tpu_jobs/test_preemption.py",
+    "tests/pipeline/test_gcs_run.py",
+    "tests/tpu_jobs/test_mesh.py",
+    "tests/tpu_jobs/test_multiprocess.py",
+    "tests/test_end_to_end.py",
+    "tests/tpu_jobs/test_sampler.py",
+    "tests/tpu_jobs/test_trainer.py",
+    "tests/tpu_jobs/test_model.py",
+    "tests/tpu_jobs/test_decode.py",
+    "tests/tpu_jobs/test_hf.py",
+    "tests/tpu_jobs/test_evaluation.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
+    # A stable sort by file: the order of tests inside a file is kept.
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+# One persistent JAX compilation cache for the whole suite, this process and every job it
+# starts (set before anything imports jax): the trainer, worker and sampler programs of
+# configs/tiny.yaml are the same in dozens of tests and subprocesses, and compiling them
+# once instead of in each was about a third of an end-to-end test's time. Every program,
+# however short its compile (the launcher's default skips those under 0.1 s).
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    str(Path(__file__).resolve().parents[1] / ".cache" / "jax-compile-tests"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def _fake_gcs_binary() -> Path | None:
@@ -172,11 +210,25 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
-def tiny_base(tmp_path_factory):
-    """A tiny run with data and an SFT'd base model (pass@1 ~0.3), trained once per session.
+def tiny_base(tmp_path_factory, worker_id):
+    """A tiny run with data and an SFT'd base model (pass@1 ~0.3), trained once per suite.
 
     Clone it with `tests.runs.clone_run` to get runs whose RL steps have real gradients.
+    Under pytest-xdist each worker has its own session: the first to get here trains it
+    under a file lock in the directory all workers share, the others reopen it (every
+    stage of `make_base` skips work whose output is already there).
     """
+    from pipeline.run import Run
     from tests.runs import make_base, tiny_config
 
-    return make_base(str(tmp_path_factory.mktemp("tiny-base") / "run"), tiny_config())
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent
+    url = str(shared / "tiny-base" / "run")
+    with open(shared / "tiny-base.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            make_base(url, tiny_config())
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return Run.open(url)

@@ -9,7 +9,7 @@ from pipeline.run import Run
 from tests.runs import tiny_config
 from tpu_jobs.sft import base_server, train_sft
 
-TINY = ("task.num_train=64", "sampler.max_new_tokens=16", "sft.check_every=5")
+TINY = ("task.num_train=64", "sampler.max_new_tokens=32", "sft.check_every=5")
 
 
 def _sft(tmp_path, name: str, *overrides: str) -> tuple[Run, dict]:
