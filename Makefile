@@ -31,12 +31,14 @@ demo-local: $(STAMP)
 # Three pytest-xdist workers on 2 cores, whole files each (a module fixture is built
 # once): most of the suite's time is real trainer, worker and Airflow processes waiting on
 # imports, leases and schedulers, and with three the cores stay busy (two left them idle
-# a quarter of the time). TEST_WORKERS=0 runs in one process.
+# a quarter of the time). --no-loadscope-reorder keeps the slow-files-first order of
+# tests/conftest.py (xdist would order files by their number of tests). TEST_WORKERS=0
+# runs in one process.
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/sampler.py
