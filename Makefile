@@ -28,17 +28,16 @@ demo: $(STAMP)
 demo-local: $(STAMP)
 	$(VENV)/bin/rlax demo $(ARGS)
 
-# Three pytest-xdist workers on 2 cores, whole files each (a module fixture is built
-# once): most of the suite's time is real trainer, worker and Airflow processes waiting on
-# imports, leases and schedulers, and with three the cores stay busy (two left them idle
-# a quarter of the time). --no-loadscope-reorder keeps the slow-files-first order of
-# tests/conftest.py (xdist would order files by their number of tests). TEST_WORKERS=0
-# runs in one process.
-TEST_WORKERS ?= 3
+# Two pytest-xdist workers, whole files each (a module fixture is built once): much of
+# the suite's time is real trainer, worker and Airflow processes waiting on imports,
+# leases and schedulers, and the second worker fills it (measured: 1274 s in one process,
+# 845 s with two, 900 s with three, whose JAX processes oversubscribe the 2 cores).
+# TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/sampler.py

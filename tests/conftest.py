@@ -25,31 +25,6 @@ from tests.local_servers import free_port
 
 EMULATOR_BUCKET = "rlax-test"
 
-# The files that take a minute or more (`pytest --durations`), run first so that the
-# xdist workers end on short files instead of one worker finishing a long one alone
-# (longest-first scheduling; `make test` distributes whole files, `--dist loadfile`).
-SLOW_FILES_FIRST = (
-    "tests/dags/test_airflow_e2e.py",
-    "tests/tpu_jobs/test_preemption.py",
-    "tests/pipeline/test_gcs_run.py",
-    "tests/tpu_jobs/test_mesh.py",
-    "tests/tpu_jobs/test_multiprocess.py",
-    "tests/test_end_to_end.py",
-    "tests/tpu_jobs/test_sampler.py",
-    "tests/tpu_jobs/test_trainer.py",
-    "tests/tpu_jobs/test_model.py",
-    "tests/tpu_jobs/test_decode.py",
-    "tests/tpu_jobs/test_hf.py",
-    "tests/tpu_jobs/test_evaluation.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
-    # A stable sort by file: the order of tests inside a file is kept.
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
-
-
 # One persistent JAX compilation cache for the whole suite, this process and every job it
 # starts (set before anything imports jax): the trainer, worker and sampler programs of
 # configs/tiny.yaml are the same in dozens of tests and subprocesses, and compiling them
