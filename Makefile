@@ -32,12 +32,13 @@ demo-local: $(STAMP)
 # the suite's time is real trainer, worker and Airflow processes waiting on imports,
 # leases and schedulers, and the second worker fills it (measured: 1274 s in one process,
 # 845 s with two, 900 s with three, whose JAX processes oversubscribe the 2 cores).
-# TEST_WORKERS=0 runs in one process.
+# --no-loadscope-reorder keeps the order of tests/conftest.py (the Airflow end-to-end
+# file first). TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/sampler.py
