@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from pipeline.metrics import bootstrap_ci, pass_at_k_array  # noqa: E402
 from pipeline.paramserver import ParamServer, SnapshotNotFoundError  # noqa: E402
 from pipeline.run import Run  # noqa: E402
+from tpu_jobs.evaluator import eval_key  # noqa: E402
 
 TARGET_PASS1 = 0.20
 TARGET_PASS8 = 0.10
@@ -49,7 +50,7 @@ KS = (1, 8)
 
 def per_problem_pass(run: Run, version: int) -> dict[int, np.ndarray]:
     """{k: per-problem unbiased pass@k} of `version` from its per-sample eval table."""
-    cols = pq.read_table(io.BytesIO(run.store.read(f"eval/v{version:08d}.parquet"))).to_pydict()
+    cols = pq.read_table(io.BytesIO(run.store.read(eval_key(version)))).to_pydict()
     n = int(max(cols["sample_index"])) + 1
     correct = (np.asarray(cols["reward"], np.float32) >= 1.0).reshape(-1, n)
     return {k: pass_at_k_array(n, correct.sum(1), k) for k in KS}
@@ -87,6 +88,14 @@ def seed_row(run: Run, seed: int, wall_s: float, code: int) -> dict:
         and wall_s <= MAX_WALL_S
     )
     return row
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what `platform` knows."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def _ci(m: dict | None) -> str:
@@ -147,16 +156,7 @@ def main() -> int:
         print(json.dumps(row, indent=1, default=str), flush=True)
 
     met = sum(bool(r.get("passed")) for r in rows)
-    cpu = platform.processor() or platform.machine()
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-        cpu = f"{model}, {os.cpu_count()} cores"
-    except (OSError, StopIteration):
-        pass
+    cpu = f"{cpu_name()}, {os.cpu_count()} cores"
     lines = [
         "# The demo's learning target over seeds",
         "",
