@@ -60,11 +60,15 @@ def _committed_checkpoints(run_dir: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
 
 
-def _kill_trainer_mid_run(run_dir: Path, timeout: float) -> tuple[int, int]:
+def _kill_trainer_mid_run(
+    af: LocalAirflow, dag_run: str, run_dir: Path, timeout: float
+) -> tuple[int, int]:
     """SIGKILL the trainer once a checkpoint (step >= 2) is committed and it is not done.
 
-    Returns (newest committed checkpoint, last logged step) at the kill."""
+    Returns (newest committed checkpoint, last logged step) at the kill. Fails at once,
+    with the task logs, if the DAG run ends first."""
     deadline = time.monotonic() + timeout
+    next_state_check = 0.0
     while time.monotonic() < deadline:
         done = (run_dir / "trainer" / "DONE.json").exists()
         assert not done, "the trainer finished before it could be killed: raise its steps"
@@ -74,8 +78,18 @@ def _kill_trainer_mid_run(run_dir: Path, timeout: float) -> tuple[int, int]:
             steps = sorted((run_dir / "metrics" / "train").glob("*.json"))
             proc.send_signal(signal.SIGKILL)
             return ckpts[-1], int(steps[-1].stem) if steps else 0
+        if time.monotonic() >= next_state_check:
+            next_state_check = time.monotonic() + 5.0
+            state = af.dag_run(RL_DAG_ID, dag_run)["state"]
+            assert state not in ("success", "failed"), (
+                f"run {dag_run} ended ({state}) before its trainer could be killed:\n"
+                + _explain(af, dag_run)
+            )
         time.sleep(0.1)
-    raise AssertionError(f"no trainer with a committed checkpoint in {timeout:.0f}s")
+    raise AssertionError(
+        f"no trainer with a committed checkpoint in {timeout:.0f}s (checkpoints: "
+        f"{_committed_checkpoints(run_dir)}):\n" + _explain(af, dag_run)
+    )
 
 
 def _explain(af: LocalAirflow, run_id: str) -> str:
@@ -118,7 +132,9 @@ def test_rl_training_via_rest_end_to_end_and_trainer_preemption(airflow, tmp_pat
             ],
         },
     )
-    ckpt_at_kill, step_at_kill = _kill_trainer_mid_run(root / "preempt", timeout=600)
+    ckpt_at_kill, step_at_kill = _kill_trainer_mid_run(
+        airflow, preempt, root / "preempt", timeout=600
+    )
     t_kill = time.monotonic() - t0
 
     state = airflow.wait_for_run(RL_DAG_ID, e2e, timeout=600)
