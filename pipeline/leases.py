@@ -1,6 +1,8 @@
 """Work distribution for rollout workers through ``rollouts/`` in object storage.
 
 * ``b{index:08d}.parquet``: a committed rollout batch, create-only (first writer wins).
+* ``quarantine/b{index:08d}-{n:03d}.parquet`` (+ ``.json``: the reason): a batch the trainer
+  refused (`pipeline.batch_checks`), moved aside so that a worker produces it again.
 * ``b{index:08d}.lease``: a worker's claim on an index: worker id, policy version, expiry and a
   unique claim id. Created create-only; an expired (or released) lease is taken over by CAS on
   its generation, so of any number of racing workers exactly one gets it. Renewal and release
@@ -13,6 +15,7 @@ machines. A lease only avoids duplicate work; correctness comes from the create-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -28,6 +31,8 @@ __all__ = ["BatchLeases", "Lease", "LeaseLostError"]
 log = logging.getLogger(__name__)
 
 _ROLLOUTS = "rollouts"
+_QUARANTINE = "quarantine"
+_MAX_QUARANTINE = 1000  # the layout has 3 digits
 _KEY_RE = re.compile(r"^b(\d{8})\.(parquet|lease)$")
 _MAX_INDEX = 10**8 - 1  # the layout has 8 digits
 
@@ -226,6 +231,38 @@ class BatchLeases:
 
     def committed_indices(self) -> list[int]:
         return sorted(self._scan()[0])
+
+    # --------------------------------------------------------------- quarantine
+
+    def quarantine(self, index: int, data: bytes, reason: str) -> str:
+        """Move the committed batch ``index`` (its bytes ``data``) to ``quarantine/`` with
+        ``reason``, so that a worker produces it again (batches are deterministic given
+        their index and pinned version). Returns the quarantined object's key.
+
+        The copy and its reason are written before the batch is deleted: a crash in between
+        leaves the batch in place, and the retried check quarantines it again under the next
+        number. Only the (fenced) trainer calls this, the one exception to create-only
+        batches."""
+        _check_index(index)
+        for n in range(len(self.quarantined(index)), _MAX_QUARANTINE):
+            stem = f"{_QUARANTINE}/b{index:08d}-{n:03d}"
+            if self.store.write_new(f"{stem}.parquet", data):
+                record = {"batch_index": index, "reason": reason, "time": self.clock()}
+                self.store.write_new(f"{stem}.json", json.dumps(record, sort_keys=True).encode())
+                with contextlib.suppress(ObjectNotFound):
+                    self._r.delete(batch_key(index))
+                return f"{stem}.parquet"
+        raise RuntimeError(f"batch {index} was quarantined {_MAX_QUARANTINE} times")
+
+    def quarantined(self, index: int | None = None) -> list[dict]:
+        """The reasons recorded for quarantined batches (of ``index``, or all), oldest first."""
+        prefix = f"{_QUARANTINE}/" + ("" if index is None else f"b{index:08d}-")
+        out = []
+        for key in self.store.list(prefix):
+            if key.endswith(".json"):
+                with contextlib.suppress(ObjectNotFound):
+                    out.append({"key": key, **json.loads(self.store.read(key))})
+        return out
 
     # ------------------------------------------------------------------ internals
 

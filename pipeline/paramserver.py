@@ -54,6 +54,7 @@ _WEIGHTS = "weights"
 _LATEST = "LATEST"
 _EPOCH = "EPOCH"
 _MANIFEST = "manifest.json"
+_REFUSED = "refused"  # weights/refused/v{version:08d}-{reader}.json: a reader's refusal
 _MANIFEST_RE = re.compile(r"^v(\d{8})/manifest\.json$")
 _VERSION_DIR_RE = re.compile(r"^v(\d{8})/")
 _MAX_VERSION = 10**8 - 1  # the layout has 8 digits
@@ -93,6 +94,10 @@ def _version_dir(version: int) -> str:
 
 def _manifest_key(version: int) -> str:
     return f"{_version_dir(version)}/{_MANIFEST}"
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100] or "reader"
 
 
 def _crc32c(data: bytes) -> int:
@@ -516,6 +521,45 @@ class ParamServer:
             time.sleep(max(0.0, min(poll, remaining)))
 
     # ------------------------------------------------------------------ retention
+
+    # ------------------------------------------------------------------ healing
+
+    def report_refused(self, version: int, reader: str, reason: str) -> None:
+        """A reader (a rollout worker) could not use ``version`` (missing or failing
+        verification): leave a marker the trainer acts on (`refused`, `repair`)."""
+        record = {"version": version, "reader": reader, "reason": reason, "time": time.time()}
+        key = f"{_REFUSED}/{_version_dir(version)}-{_safe(reader)}.json"
+        self._w.write_new(key, _dumps(record))
+
+    def refused(self) -> dict[int, list[str]]:
+        """{version: [reasons]} of the refusal markers."""
+        out: dict[int, list[str]] = {}
+        for key in self._w.list(f"{_REFUSED}/"):
+            try:
+                record = json.loads(self._w.read(key))
+                out.setdefault(int(record["version"]), []).append(str(record["reason"]))
+            except (ObjectNotFound, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def repair(
+        self,
+        version: int,
+        tensors: dict[str, np.ndarray],
+        *,
+        epoch: int,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        """Rewrite ``version`` from ``tensors`` (the very parameters it was published from:
+        only the trainer holding them may call this) and clear its refusal markers. The
+        manifest is deleted first, so no reader ever sees a mix of old and new shards."""
+        self._check_epoch(epoch)
+        self._w.delete(_manifest_key(version))
+        for key in self._w.list(f"{_version_dir(version)}/"):
+            self._w.delete(key)
+        self.publish(version, tensors, epoch=epoch, metadata=metadata)
+        for key in self._w.list(f"{_REFUSED}/{_version_dir(version)}-"):
+            self._w.delete(key)
 
     def gc(self, keep_last: int, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Delete committed versions except the newest ``keep_last``, LATEST and ``protected``.

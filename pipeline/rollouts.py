@@ -136,7 +136,12 @@ def to_parquet_bytes(batch: RolloutBatch) -> bytes:
 
 
 def from_parquet_bytes(data: bytes) -> RolloutBatch:
-    table = pq.read_table(io.BytesIO(data))
+    """A batch from its Parquet bytes, unchecked (the trainer reads through
+    `pipeline.batch_checks.read_checked`)."""
+    return batch_from_table(pq.read_table(io.BytesIO(data)))
+
+
+def batch_from_table(table: pa.Table) -> RolloutBatch:
     missing = set(SCHEMA.names) - set(table.column_names)
     if missing:
         raise ValueError(f"rollout batch lacks columns {sorted(missing)}; schema: {SCHEMA.names}")

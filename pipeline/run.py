@@ -22,6 +22,8 @@ from pipeline.tasks.base import Problem
 
 CONFIG_KEY = "config.json"
 DONE_KEY = "trainer/DONE.json"  # written by the trainer when its last step is done
+# Content manifests of the trainer's verified checkpoints (tpu_jobs/checkpoints.py).
+CHECKPOINT_MANIFESTS = "checkpoint_manifests"
 SPLITS = ("train", "eval")
 
 

@@ -5,6 +5,16 @@ next batch index, epoch, config digest). Orbax writes each step to a temporary
 directory and renames it on commit (or writes a commit marker on GCS), so a save
 interrupted by a kill never hides the previous good step.
 
+Verified restores. Orbax's commit protects against torn writes, not against bytes that change
+later (a bad disk, a bit flip, a careless hand): a checkpoint with four flipped bytes was once
+restored without complaint. So every committed step gets a content manifest,
+`checkpoint_manifests/{step:08d}.json` (the CRC32C and size of each file under
+`checkpoints/{step}/`, read back from the store), written by a thread of ours once Orbax has
+finished the step (commit and metadata included; Orbax's own post-finalization callback
+runs before the rename that commits). `restore_latest` verifies the newest step against its
+manifest and falls back to older steps when a file is missing, changed or extra, or has no
+manifest (a kill between commit and manifest), naming each step it refuses.
+
 Leaves are stored as a flat numbered dict and re-assembled with the live tree
 structure: the pytree types of NNX/Optax state need no Orbax-specific handling.
 Sharded state (a trainer mesh): leaves spanning several hosts are handed to Orbax as
@@ -15,13 +25,68 @@ mesh it is restored for, whichever mesh wrote it.
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
+import google_crc32c
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from pipeline.run import CHECKPOINT_MANIFESTS as MANIFESTS
 from pipeline.run import Run
+from pipeline.storage import ObjectNotFound, ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointCorruptError(RuntimeError):
+    """Every checkpoint of the run failed verification."""
+
+
+def manifest_key(step: int) -> str:
+    return f"{MANIFESTS}/{step:08d}.json"
+
+
+def _step_files(store: ObjectStore, step: int) -> list[str]:
+    return store.list(f"checkpoints/{step}/")
+
+
+def content_manifest(store: ObjectStore, step: int) -> dict[str, Any]:
+    """{"step", "files": {key: {"crc32c", "bytes"}}} of checkpoint `step` as stored."""
+    files = {}
+    for key in _step_files(store, step):
+        data = store.read(key)
+        files[key] = {"crc32c": f"{google_crc32c.value(data):08x}", "bytes": len(data)}
+    return {"step": step, "files": files}
+
+
+def verify_step(store: ObjectStore, step: int) -> str | None:
+    """None if checkpoint `step` matches its manifest, else what is wrong."""
+    try:
+        want = json.loads(store.read(manifest_key(step)))["files"]
+    except ObjectNotFound:
+        return "it has no content manifest (written after the commit: a kill came between)"
+    except (ValueError, KeyError, TypeError) as err:
+        return f"its manifest {manifest_key(step)} is unreadable ({err})"
+    have = set(_step_files(store, step))
+    if have - set(want):
+        return f"it holds files its manifest does not list: {sorted(have - set(want))[:3]}"
+    for key, expect in want.items():
+        try:
+            data = store.read(key)
+        except ObjectNotFound:
+            return f"{key} is missing"
+        crc = f"{google_crc32c.value(data):08x}"
+        if len(data) != expect["bytes"] or crc != expect["crc32c"]:
+            return (
+                f"{key} changed since it was written ({len(data)} bytes, crc32c {crc}; "
+                f"written: {expect['bytes']} bytes, crc32c {expect['crc32c']})"
+            )
+    return None
 
 
 def checkpoint_dir(run: Run) -> str:
@@ -31,6 +96,10 @@ def checkpoint_dir(run: Run) -> str:
     elif url.startswith("gs://"):
         _require_gcsfs(url)
     return f"{url}/checkpoints"
+
+
+def checkpoint_dir_of(store: ObjectStore) -> str:
+    return f"{store.url.rstrip('/')}/checkpoints"
 
 
 def _require_gcsfs(url: str) -> None:
@@ -62,7 +131,19 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
 
 
 class TrainerCheckpoints:
-    def __init__(self, run: Run, keep: int = 2, async_save: bool = True) -> None:
+    """`log`: where refused checkpoints are reported (the trainer's log)."""
+
+    def __init__(
+        self,
+        run: Run,
+        keep: int = 2,
+        async_save: bool = True,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.store = run.store
+        self.log = log
+        self.primary = jax.process_index() == 0
+        self._manifest_thread: threading.Thread | None = None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True
         )
@@ -70,22 +151,73 @@ class TrainerCheckpoints:
             checkpoint_dir(run), options=options, item_names=("state", "meta")
         )
 
+    def _write_manifest_when_done(self, step: int) -> None:
+        """Once Orbax has finished step `step`: write its content manifest and drop the
+        manifests of steps Orbax's retention deleted."""
+        self.manager.wait_until_finished()
+        if not self.primary:
+            return
+        try:
+            manifest = content_manifest(self.store, step)
+            self.store.write_new(manifest_key(step), json.dumps(manifest).encode())
+            kept = set(self.manager.all_steps())
+            for key in self.store.list(f"{MANIFESTS}/"):
+                old = int(key.rsplit("/", 1)[1].split(".")[0])
+                if old not in kept and old != step:
+                    self.store.delete(key)
+        except Exception as err:  # noqa: BLE001 - in our thread: report, never raise
+            log.exception("checkpoint manifest of step %s not written", step)
+            self.log(f"[trainer] checkpoint manifest of step {step} not written: {err}")
+
     def save(self, step: int, tree: Any, meta: dict[str, Any]) -> None:
         leaves = {f"{i:05d}": _host_or_global(x) for i, x in enumerate(jax.tree.leaves(tree))}
+        self._join_manifest()  # the previous save and its manifest
         self.manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(leaves), meta=ocp.args.JsonSave(meta)
             ),
         )
+        self._manifest_thread = threading.Thread(
+            target=self._write_manifest_when_done, args=(step,), daemon=True
+        )
+        self._manifest_thread.start()
+
+    def _join_manifest(self) -> None:
+        if self._manifest_thread is not None:
+            self._manifest_thread.join()
+            self._manifest_thread = None
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def restore_latest(self, template: Any) -> tuple[Any, dict[str, Any]] | None:
-        step = self.manager.latest_step()
-        if step is None:
-            return None
+        """The newest checkpoint that passes verification, as (tree, meta); None if there
+        is none at all. Raises CheckpointCorruptError if there are checkpoints and every
+        one is refused (starting over from the base would silently lose the run)."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        refused = []
+        for step in steps:
+            why = verify_step(self.store, step)
+            if why is None:
+                try:
+                    return self._restore(step, template)
+                except Exception as err:  # noqa: BLE001 - a checkpoint Orbax cannot read
+                    why = f"Orbax could not restore it ({type(err).__name__}: {err})"
+            refused.append(f"step {step}: {why}")
+            self.log(
+                f"[trainer] refused checkpoint {checkpoint_dir_of(self.store)}/{step}: {why}; "
+                "trying the previous one"
+            )
+        if refused:
+            raise CheckpointCorruptError(
+                "no checkpoint passed verification (" + "; ".join(refused) + "). Restore "
+                f"{checkpoint_dir_of(self.store)} from a copy, or delete it (and "
+                f"{MANIFESTS}/) to start this run over from its base model"
+            )
+        return None
+
+    def _restore(self, step: int, template: Any) -> tuple[Any, dict[str, Any]]:
         leaves, treedef = jax.tree.flatten(template)
         abstract = {f"{i:05d}": _abstract(x) for i, x in enumerate(leaves)}
         out = self.manager.restore(
@@ -98,4 +230,5 @@ class TrainerCheckpoints:
         return jax.tree.unflatten(treedef, restored), dict(out["meta"])
 
     def wait(self) -> None:
+        self._join_manifest()
         self.manager.wait_until_finished()

@@ -53,7 +53,7 @@ import numpy as np
 
 from pipeline import failpoints
 from pipeline.leases import BatchLeases
-from pipeline.paramserver import CorruptSnapshotError, ParamServer
+from pipeline.paramserver import CorruptSnapshotError, ParamServer, SnapshotNotFoundError
 from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
 from pipeline.run import DONE_KEY, Run
 from pipeline.schedule import batch_problem_indices
@@ -168,8 +168,13 @@ class RolloutWorker:
             return True
         try:
             snap = self.ps.pull(version)
-        except CorruptSnapshotError as err:
-            self.log(f"[{self.worker_id}] refused v{version}: {err}; keeping v{self.version}")
+        except (CorruptSnapshotError, SnapshotNotFoundError) as err:
+            # Tell the trainer (it rewrites the version from its parameters) and wait.
+            self.ps.report_refused(version, self.worker_id, str(err))
+            self.log(
+                f"[{self.worker_id}] refused v{version}: {err}; reported it to the trainer "
+                f"(weights/refused/), keeping v{self.version} and waiting"
+            )
             return False
         load_flat_params(self.model, snap.tensors)
         if self.mesh is not None:  # place the weights once, not per generate call
@@ -423,4 +428,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.entrypoint import run_main
+
+    sys.exit(run_main("rollout", main))

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import io
 import json
 import signal
 import sys
@@ -57,17 +56,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pyarrow.parquet as pq
 from flax import nnx
 
 from pipeline import failpoints
+from pipeline.batch_checks import BadBatchError, BatchLimits, read_checked
 from pipeline.config import ModelConfig, RunConfig
 from pipeline.leases import BatchLeases
 from pipeline.paramserver import ParamServer, StaleEpochError
 from pipeline.retention import apply_retention
-from pipeline.rollouts import RolloutBatch, from_parquet_bytes
+from pipeline.rollouts import RolloutBatch
 from pipeline.run import DONE_KEY, Run
-from pipeline.storage import StorageError
+from pipeline.storage import ObjectNotFound, StorageError
+from pipeline.tasks.base import REWARD_RANGE
 from pipeline.tokenizer import Tokenizer, get_tokenizer
 from tpu_jobs import checkpoints
 from tpu_jobs import mesh as meshlib
@@ -90,6 +90,10 @@ from tpu_jobs.state import flat_to_params, make_optimizer, new_model, params_to_
 from tpu_jobs.value_head import init_value_head, policy_forward
 
 sg = jax.lax.stop_gradient
+
+
+class IntegrityError(RuntimeError):
+    """Too many refused batches or non-finite steps in a row: the run cannot go on."""
 
 
 class StepInputs(NamedTuple):
@@ -270,20 +274,41 @@ def apply_program(
     value_lr_mult: float,
 ):
     """(optimizer, update function, jitted update): AdamW; the value head's updates are
-    scaled by value_lr_mult (its learning rate is lr * value_lr_mult)."""
+    scaled by value_lr_mult (its learning rate is lr * value_lr_mult).
+
+    The update returns (params, opt_state, grad_norm, finite). The finite-guard: when the
+    gradients or the new parameters hold a NaN or an infinity, `finite` is False and the
+    params and optimizer state come back unchanged (selected inside the program, so the
+    donated buffers need no copy), so one poisoned batch can never reach a published
+    version or a checkpoint."""
     tx = make_optimizer(lr, warmup_steps, total_steps, weight_decay, grad_clip)
 
     def apply(params, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
         if "value" in updates and value_lr_mult != 1.0:
             scaled = jax.tree.map(lambda u: u * value_lr_mult, updates["value"])
             updates = {**updates, "value": scaled}
-        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+        new_params = optax.apply_updates(params, updates)
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm) & all_finite(new_params)
+        keep = functools.partial(jnp.where, finite)
+        return (
+            jax.tree.map(keep, new_params, params),
+            jax.tree.map(keep, new_opt_state, opt_state),
+            grad_norm,
+            finite,
+        )
 
     return tx, apply, jax.jit(apply, donate_argnums=(0, 1))
 
 
 _add_trees = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """A scalar bool: every floating-point element of `tree` is finite."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in leaves]))
 
 
 def _keep_shardings(apply_fn, state):
@@ -292,9 +317,9 @@ def _keep_shardings(apply_fn, state):
     shardings = jax.tree.map(lambda x: x.sharding, state)
 
     def apply(params, opt_state, grads):
-        params, opt_state, grad_norm = apply_fn(params, opt_state, grads)
+        params, opt_state, grad_norm, finite = apply_fn(params, opt_state, grads)
         params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), shardings)
-        return params, opt_state, grad_norm
+        return params, opt_state, grad_norm, finite
 
     return apply
 
@@ -419,7 +444,8 @@ class Learner:
 
             (value, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
             metrics["loss"] = value
-            params, opt_state, metrics["grad_norm"] = apply_fn(params, opt_state, grads)
+            params, opt_state, metrics["grad_norm"], finite = apply_fn(params, opt_state, grads)
+            metrics["nonfinite_updates"] = 1.0 - finite.astype(jnp.float32)
             return params, opt_state, metrics
 
         return step
@@ -462,7 +488,8 @@ class Learner:
             return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
         if self.single:
             grads, metrics = self._grads(params, inp, None, logp_ref, None)
-            params, opt_state, metrics["grad_norm"] = self._apply(params, opt_state, grads)
+            params, opt_state, metrics["grad_norm"], finite = self._apply(params, opt_state, grads)
+            metrics["nonfinite_updates"] = 1.0 - finite.astype(jnp.float32)
             return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
         outs = self.programs.forward(params, inp.tokens, inp.mask)
         pre, pre_metrics = self._prepare(outs, inp, logp_ref)
@@ -487,10 +514,11 @@ class Learner:
                     )
                     grads = g if grads is None else _add_trees(grads, g)
                     parts.append(jax.device_get(m))
-                params, opt_state, grad_norm = self._apply(params, opt_state, grads)
+                params, opt_state, grad_norm, finite = self._apply(params, opt_state, grads)
                 m = {key: float(np.mean([p[key] for p in parts])) for key in parts[0]}
                 m["loss"] = float(np.sum([p["loss"] for p in parts]))
                 m["grad_norm"] = float(grad_norm)
+                m["nonfinite_updates"] = 0.0 if bool(finite) else 1.0
                 per_update.append(m)
         metrics = {k: float(v) for k, v in jax.device_get(pre_metrics).items()}
         for key in per_update[0]:
@@ -500,6 +528,7 @@ class Learner:
             if key in per_update[-1]:
                 metrics[key + "_last_update"] = per_update[-1][key]
         metrics["updates"] = float(len(per_update))
+        metrics["nonfinite_updates"] = float(sum(m["nonfinite_updates"] for m in per_update))
         return params, opt_state, metrics
 
     def _norm(self, comp_mask) -> jax.Array:
@@ -542,6 +571,9 @@ class TrainerState:
     dropped_stale: int = 0
     dropped_empty: int = 0  # dynamic sampling found no informative group
     staleness_hist: dict[str, int] = field(default_factory=dict)  # over batches read
+    quarantined: int = 0  # batches refused (pipeline.batch_checks) or with non-finite steps
+    nonfinite_steps: int = 0  # steps the finite-guard skipped
+    failures: int = 0  # refused batches and skipped steps since the last good step
 
 
 class Trainer:
@@ -579,8 +611,12 @@ class Trainer:
         self.prompt_len = prompt_len
         self.ref_params = None  # the frozen base model, when a KL term needs it
         self._template = self.learner.template
-        self.ckpt = checkpoints.TrainerCheckpoints(run, keep=self.cfg.trainer.keep_checkpoints)
+        self.ckpt = checkpoints.TrainerCheckpoints(
+            run, keep=self.cfg.trainer.keep_checkpoints, log=log
+        )
         self._stop = False
+        self.epoch = -1
+        self._unrepairable: set[int] = set()
 
     # ----------------------------------------------------------- lifecycle
     def restore_or_init(self) -> TrainerState:
@@ -602,6 +638,8 @@ class Trainer:
                 meta.get("dropped_stale", 0),
                 meta.get("dropped_empty", 0),
                 dict(meta.get("staleness_hist", {})),
+                meta.get("quarantined", 0),
+                meta.get("nonfinite_steps", 0),
             )
         base = base_server(self.run)
         if base.latest_version() is None:
@@ -655,15 +693,93 @@ class Trainer:
         if result.deleted:
             self.log(f"[trainer] retention deleted v{result.deleted}, kept v{result.kept}")
 
-    def _wait_for_batch(self, index: int) -> RolloutBatch | str | None:
-        """The batch, "empty" for a batch without rows, or None when asked to stop."""
-        waited = 0.0
+    def _limits(self, state: TrainerState) -> BatchLimits:
+        tc, cfg = self.cfg.trainer, self.cfg
+        lo, hi = REWARD_RANGE
+        if tc.overlong_cache(cfg.sampler.max_new_tokens) > 0:
+            lo -= 1.0  # DAPO's overlong punishment reaches -1 (losses.overlong_penalty)
+        return BatchLimits(
+            index=state.next_batch,
+            group_size=cfg.rollout.group_size,
+            max_rows=self.learner.rows,
+            vocab_size=cfg.model.vocab_size,
+            max_prompt_tokens=self.prompt_len,
+            max_completion_tokens=self.learner.completion_len,
+            newest_version=state.step // tc.publish_every,
+            reward_range=(lo, hi),
+            allow_empty=tc.uses_dynamic_sampling(),
+        )
+
+    def _heal(self, state: TrainerState) -> None:
+        """Act on the rollout workers' refusal markers (a version missing or failing
+        verification): the trainer's current version is rewritten from its parameters (the
+        same bits); an older one it cannot rebuild is named once, with what to do."""
+        current = state.step // self.cfg.trainer.publish_every
+        for version, reasons in sorted(self.ps.refused().items()):
+            if version == current:
+                flat = params_to_flat(self.learner.fns, state.params["policy"])
+                self.ps.repair(version, flat, epoch=self.epoch, metadata={"step": state.step})
+                self.log(
+                    f"[trainer] a rollout worker refused v{version} ({reasons[0]}); rewrote it "
+                    "from the trainer's parameters"
+                )
+            elif version not in self._unrepairable:
+                self._unrepairable.add(version)
+                self.log(
+                    f"[trainer] a rollout worker refused v{version} ({reasons[0]}), but the "
+                    f"trainer holds v{current} and cannot rebuild it: restore "
+                    f"{self.ps.store.url_of('weights/')} from a copy, or start a new run"
+                )
+
+    def _next_batch(self, state: TrainerState) -> tuple[RolloutBatch | str, bytes] | None:
+        """(the batch or "empty" for an allowed batch without rows, its bytes), or None when
+        asked to stop. A batch that fails `pipeline.batch_checks` is quarantined and waited
+        for again (a worker produces it anew)."""
+        while True:
+            data = self._wait_for_batch(state)
+            if data is None:
+                return None
+            try:
+                batch = read_checked(data, self._limits(state))
+            except BadBatchError as err:
+                self._refuse(state, data, str(err))
+                continue
+            return ("empty" if batch is None else batch), data
+
+    def _refuse(self, state: TrainerState, data: bytes, reason: str) -> None:
+        """Quarantine batch `state.next_batch`; raise IntegrityError after
+        `trainer.max_consecutive_failures` failures in a row."""
+        index = state.next_batch
+        key = self.leases.quarantine(index, data, reason) if self.primary else "(process 0's)"
+        state.quarantined += 1
+        state.failures += 1
+        self.log(
+            f"[trainer] refused batch {index}: {reason}; moved to {self.run.store.url_of(key)}, "
+            f"a rollout worker produces it again ({state.failures} failure(s) in a row)"
+        )
+        limit = self.cfg.trainer.max_consecutive_failures
+        if state.failures >= limit:
+            raise IntegrityError(
+                f"{state.failures} refused batches or non-finite steps in a row "
+                f"(trainer.max_consecutive_failures={limit}); the last: batch {index}: {reason}. "
+                f"The refused batches are under {self.run.store.url_of('quarantine/')}; fix "
+                "what writes them (the rollout workers, or whoever else writes to the bucket), "
+                "then restart the trainer: it resumes from its newest checkpoint"
+            )
+
+    def _wait_for_batch(self, state: TrainerState) -> bytes | None:
+        """The committed bytes of batch `state.next_batch`, or None when asked to stop.
+        While waiting, refused versions are healed (`_heal`) every few seconds."""
+        index, waited, next_heal = state.next_batch, 0.0, 0.0
         while not self._stop:
+            if self.primary and waited >= next_heal:
+                next_heal = waited + 2.0
+                self._heal(state)
             if self.leases.batch_exists(index):
-                data = self.leases.read_batch(index)
-                if pq.read_metadata(io.BytesIO(data)).num_rows == 0:
-                    return "empty"
-                return from_parquet_bytes(data)
+                try:
+                    return self.leases.read_batch(index)
+                except ObjectNotFound:  # quarantined meanwhile (another trainer's check)
+                    continue
             time.sleep(self.cfg.rollout.poll_seconds)
             waited += self.cfg.rollout.poll_seconds
             if waited >= 60 and int(waited) % 60 == 0:
@@ -720,6 +836,7 @@ class Trainer:
     def train(self) -> TrainerState:
         tc = self.cfg.trainer
         epoch = self.ps.acquire_epoch() if self.primary else -1  # only process 0 publishes
+        self.epoch = epoch
         if self.primary:
             self.log(f"[trainer] epoch {epoch}")
         else:
@@ -731,9 +848,10 @@ class Trainer:
             self._publish(state, epoch)  # v0, or a re-publish a crash may have missed
         while state.step < tc.steps and not self._stop:
             t0 = time.time()
-            batch = self._wait_for_batch(state.next_batch)
-            if batch is None:
+            got = self._next_batch(state)
+            if got is None:
                 break
+            batch, data = got
             t_wait = time.time() - t0
             if isinstance(batch, str):
                 self.log(
@@ -757,6 +875,18 @@ class Trainer:
             state.params, state.opt_state, metrics = self.learner.step(
                 state.params, state.opt_state, self.ref_params, inputs
             )
+            if metrics["nonfinite_updates"]:
+                # The guard kept the params; the step is not taken, nothing is published or
+                # checkpointed, and the batch goes to quarantine like a refused one.
+                state.nonfinite_steps += 1
+                self._refuse(
+                    state,
+                    data,
+                    f"non-finite gradients or parameters in {metrics['nonfinite_updates']:.0f} "
+                    f"update(s) (loss {metrics['loss']}, grad_norm {metrics['grad_norm']})",
+                )
+                continue
+            state.failures = 0
             state.step += 1
             state.next_batch += 1
             record = {
@@ -773,6 +903,8 @@ class Trainer:
                 "dropped_total": state.dropped,
                 "dropped_stale": state.dropped_stale,
                 "dropped_empty": state.dropped_empty,
+                "quarantined_total": state.quarantined,
+                "nonfinite_steps": state.nonfinite_steps,
                 "wait_s": t_wait,
                 "step_s": time.time() - t0,
             }
@@ -817,6 +949,8 @@ class Trainer:
             "dropped_stale": state.dropped_stale,
             "dropped_empty": state.dropped_empty,
             "staleness_hist": dict(state.staleness_hist),
+            "quarantined": state.quarantined,
+            "nonfinite_steps": state.nonfinite_steps,
             "epoch": epoch,
             "config_digest": self.cfg.digest(),
         }
@@ -842,8 +976,13 @@ def main(argv: list[str] | None = None) -> int:
     except StaleEpochError as err:
         print(f"[trainer] fenced off by a newer trainer: {err}", file=sys.stderr, flush=True)
         return 3
+    except (IntegrityError, checkpoints.CheckpointCorruptError) as err:
+        print(f"[trainer] stopped: {err}", file=sys.stderr, flush=True)
+        return 4
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.entrypoint import run_main
+
+    sys.exit(run_main("trainer", main))

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from pipeline.config import SFTConfig, TaskConfig
 
 ANSWER_MARKER = "#"
+# Every verifier's reward lies here (`Task.verify`); the trainer refuses batches outside it.
+REWARD_RANGE = (0.0, 1.0)
 
 
 def problem_id(task: str, content: str) -> str:
@@ -106,7 +108,7 @@ class Task(ABC):
 
     @abstractmethod
     def verify(self, problem: Problem, completion: str) -> float:
-        """Reward in [0, 1]. Never raises, never executes anything."""
+        """Reward in REWARD_RANGE ([0, 1]). Never raises, never executes anything."""
 
     @abstractmethod
     def max_completion_chars(self, cfg: TaskConfig) -> int:

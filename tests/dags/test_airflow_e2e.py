@@ -56,8 +56,15 @@ def _trainer_process(run_dir: Path) -> psutil.Process | None:
 
 
 def _committed_checkpoints(run_dir: Path) -> list[int]:
-    ckpt = run_dir / "checkpoints"
-    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
+    """Steps the trainer can resume from: committed by Orbax and verified by a content
+    manifest (tpu_jobs/checkpoints.py; a step without one is refused on restore)."""
+    ckpt, manifests = run_dir / "checkpoints", run_dir / "checkpoint_manifests"
+    if not ckpt.is_dir() or not manifests.is_dir():
+        return []
+    verified = {int(p.stem) for p in manifests.glob("*.json")}
+    return sorted(
+        int(p.name) for p in ckpt.iterdir() if p.name.isdigit() and int(p.name) in verified
+    )
 
 
 def _kill_trainer_mid_run(
@@ -190,3 +197,38 @@ def test_rl_training_via_rest_end_to_end_and_trainer_preemption(airflow, tmp_pat
     # The steps after the checkpoint were trained again by the retry, the earlier ones not.
     retrained = [int(m) for m in re.findall(r"\[trainer\] step (\d+)/", last)]
     assert retrained and retrained[0] == resumed[0] + 1 and retrained[-1] == STEPS_PREEMPT
+    _check_exposure(airflow)
+
+
+def _check_exposure(af: LocalAirflow) -> None:
+    """docs/security.md: the API and the scheduler's (unauthenticated) health server listen
+    on 127.0.0.1 only; the metadata database and the task logs are the user's alone."""
+    group = os.getpgid(af.proc.pid)
+    listening = {}
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) != group:
+                continue
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    listening[conn.laddr.port] = conn.laddr.ip
+        except (psutil.Error, ProcessLookupError):
+            continue
+    assert listening.get(af.port) == "127.0.0.1", listening
+    health = int(airflow_env_value(af, "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT"))
+    assert listening.get(health) == "127.0.0.1", listening
+    assert (af.home / "airflow.db").stat().st_mode & 0o077 == 0
+    logs = [p for p in (af.home / "logs").rglob("*") if p.is_file()]
+    assert logs and all(p.stat().st_mode & 0o077 == 0 for p in logs)
+    assert af.home.stat().st_mode & 0o077 == 0
+
+
+def airflow_env_value(af: LocalAirflow, name: str) -> str:
+    """A variable of the running standalone's environment (its scheduler's)."""
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == os.getpgid(af.proc.pid) and name in proc.environ():
+                return proc.environ()[name]
+        except (psutil.Error, ProcessLookupError):
+            continue
+    raise AssertionError(f"{name} not in the environment of any Airflow process")

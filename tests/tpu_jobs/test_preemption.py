@@ -112,3 +112,88 @@ def test_small_chaos_run(reference, tmp_path):
     assert result["batches_consumed"] == STEPS
     assert not result["latest_moved_backwards"]
     assert result["kills_total"] >= 2
+    # The probe's finding 7: runs whose kills all landed before the first checkpoint passed.
+    assert result["conclusive"], result["inconclusive_because"]
+    assert result["trainer_killed_after_checkpoint"] >= 1
+    assert result["workers_killed_mid_batch"] >= 1 and result["checkpoints_restored"] >= 1
+
+
+# --------------------------------------------------------------------------------------
+# Verified restores: a checkpoint whose bytes changed after the commit is refused
+# --------------------------------------------------------------------------------------
+
+# One file of each kind Orbax writes for a step (glob under checkpoints/<step>/).
+CHECKPOINT_FILES = {
+    "array data": "state/**/d/*",
+    "ocdbt manifest": "state/manifest.ocdbt",
+    "array metadata": "state/_METADATA",
+    "json meta": "meta/metadata",
+    "step metadata": "_CHECKPOINT_METADATA",
+}
+
+
+def _copy_with_checkpoints(reference, url: str):
+    """The reference run without its trainer's done marker and weights: a trainer opened on
+    it restores the newest checkpoint and replays the last steps from the same batches."""
+    prefixes = ("data/", "base/", "rollouts/", "checkpoints/", "checkpoint_manifests/")
+    return clone_run(reference, url, prefixes=prefixes)
+
+
+def _flip(path, n: int = 4) -> None:
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2
+    data[at : at + n] = bytes(b ^ 0xFF for b in data[at : at + n])
+    path.write_bytes(bytes(data))
+
+
+def _checkpoint_file(run_dir, step: int, kind: str):
+    found = sorted((run_dir / "checkpoints" / str(step)).glob(CHECKPOINT_FILES[kind]))
+    assert found, (kind, step)
+    return max(found, key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("kind", sorted(CHECKPOINT_FILES))
+def test_a_checkpoint_with_flipped_bytes_is_refused_for_the_previous_one(reference, tmp_path, kind):
+    from tpu_jobs.checkpoints import TrainerCheckpoints
+    from tpu_jobs.trainer import Trainer
+
+    run = _copy_with_checkpoints(reference, str(tmp_path / "run"))
+    steps = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert steps[-1] == STEPS and len(steps) == 2
+    _flip(_checkpoint_file(tmp_path / "run", STEPS, kind))
+    lines: list[str] = []
+    template = Trainer(run, log=lambda m: None)._template
+    _, meta = TrainerCheckpoints(run, log=lines.append).restore_latest(template)
+    assert meta["step"] == steps[0]
+    assert len(lines) == 1 and f"refused checkpoint {run.store.url}/checkpoints/{STEPS}" in lines[0]
+    assert "changed since it was written" in lines[0]
+
+
+def test_the_trainer_resumes_from_the_last_good_checkpoint_and_ends_bit_identical(
+    reference, tmp_path
+):
+    """The probe's finding 2: four bytes flipped in a checkpoint data file were restored
+    ("resumed from checkpoint at step 4", one value 2.6e34) and the final weights differed.
+    Now the trainer refuses that step, resumes from the one before and replays the rest."""
+    run = _copy_with_checkpoints(reference, str(tmp_path / "run"))
+    _flip(_checkpoint_file(tmp_path / "run", STEPS, "array data"))
+    codes = wait_all({"trainer": start(run, "trainer", tmp_path / "logs")}, 120)
+    log = (tmp_path / "logs" / "trainer.log").read_text()
+    assert codes == {"trainer": 0}, log
+    assert f"refused checkpoint {run.store.url}/checkpoints/{STEPS}" in log
+    assert f"resumed from checkpoint at step {STEPS - 2}" in log
+    assert_bit_identical(final_tensors(reference)[1], final_tensors(run)[1])
+
+
+def test_every_checkpoint_refused_is_an_error_naming_each(reference, tmp_path):
+    from tpu_jobs.checkpoints import CheckpointCorruptError, TrainerCheckpoints
+    from tpu_jobs.trainer import Trainer
+
+    run = _copy_with_checkpoints(reference, str(tmp_path / "run"))
+    _flip(_checkpoint_file(tmp_path / "run", STEPS, "array data"))
+    run.store.delete(f"checkpoint_manifests/{STEPS - 2:08d}.json")  # a kill before it
+    template = Trainer(run, log=lambda m: None)._template
+    with pytest.raises(CheckpointCorruptError) as err:
+        TrainerCheckpoints(run, log=lambda m: None).restore_latest(template)
+    assert f"step {STEPS}: " in str(err.value) and "changed since it was written" in str(err.value)
+    assert f"step {STEPS - 2}: it has no content manifest" in str(err.value)

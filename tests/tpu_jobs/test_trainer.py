@@ -387,7 +387,10 @@ def _relabel(batch: RolloutBatch, index: int, version: int) -> RolloutBatch:
 
 
 def test_stale_and_empty_batches_are_dropped_and_counted(grpo_run, real_batch, tmp_path):
-    run = clone_run(grpo_run, str(tmp_path / "run"))  # max_staleness=0, steps=2
+    # max_staleness=0, steps=2; dynamic sampling: only it may commit an empty batch
+    # (elsewhere the batch checks refuse one, tests/pipeline/test_batch_checks.py).
+    cfg = with_trainer(grpo_run.config, dynamic_sampling=True)
+    run = clone_run(grpo_run, str(tmp_path / "run"), cfg)
     leases = BatchLeases(run.store, ttl_seconds=30)
     empty = RolloutBatch(
         batch_index=2,
@@ -488,3 +491,182 @@ def test_dapo_bound_gives_an_empty_batch_when_every_group_is_constant(dapo_worke
     data = to_parquet_bytes(batch)  # commit-able; the trainer drops it (tested above)
     with pytest.raises(ValueError, match="empty"):
         from_parquet_bytes(data)
+
+
+# --------------------------------------------------------------------------------------
+# Integrity: a poisoned batch is quarantined and produced again; a non-finite step is
+# skipped; neither reaches a published version
+# --------------------------------------------------------------------------------------
+
+
+def _poisoned(batch: RolloutBatch, index: int, how: str) -> RolloutBatch:
+    batch = _relabel(batch, index, index)  # max_staleness=0: batch i is made by version i
+    if how == "nan reward":
+        return replace(batch, reward=np.where(np.arange(len(batch)) == 3, np.nan, batch.reward))
+    if how == "inf reward":
+        return replace(batch, reward=np.where(np.arange(len(batch)) == 0, np.inf, batch.reward))
+    ids = [list(c) for c in batch.completion_ids]
+    ids[5][0] = {"token 10^6": 10**6, "token -5": -5}[how]
+    return replace(batch, completion_ids=ids)
+
+
+class _Reproducer:
+    """The trainer's log; when it refuses a batch, commit the good one as a worker would."""
+
+    def __init__(self, run, good: dict[int, RolloutBatch], times: int = 1) -> None:
+        self.leases = BatchLeases(run.store, ttl_seconds=30)
+        self.good, self.times, self.lines = good, times, []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        if line.startswith("[trainer] refused batch "):
+            index = int(line.split()[3].rstrip(":"))
+            self.times -= 1
+            if self.times <= 0:
+                self.leases.commit_batch(index, to_parquet_bytes(self.good[index]))
+
+
+def _published_finite(run) -> list[int]:
+    from pipeline.paramserver import ParamServer
+
+    ps = ParamServer(run.store)
+    for v in ps.versions():
+        for name, x in ps.pull(v).tensors.items():
+            assert np.isfinite(x).all(), (v, name)
+    return ps.versions()
+
+
+def test_poisoned_batches_are_quarantined_and_the_run_goes_on(grpo_run, real_batch, tmp_path):
+    """The probe's finding 1: a NaN or Inf reward or a token id of 10^6 or -5 in one batch
+    made the loss NaN and the next version NaN. Now each is refused, moved to quarantine/
+    with its reason, produced again, and the run ends with finite weights."""
+    run = clone_run(grpo_run, str(tmp_path / "run"), with_trainer(grpo_run.config, steps=4))
+    leases = BatchLeases(run.store, ttl_seconds=30)
+    hows = ["nan reward", "inf reward", "token 10^6", "token -5"]
+    good = {i: _relabel(real_batch, i, i) for i in range(4)}
+    for i, how in enumerate(hows):
+        leases.commit_batch(i, to_parquet_bytes(_poisoned(real_batch, i, how)))
+    log = _Reproducer(run, good)
+    state = Trainer(run, log=log, fused=False).train()
+    assert (state.step, state.next_batch, state.quarantined) == (4, 4, 4)
+    records = leases.quarantined()
+    assert [r["batch_index"] for r in records] == [0, 1, 2, 3]
+    reasons = [r["reason"] for r in records]
+    assert reasons[0].startswith("row 3: reward is nan")
+    assert reasons[1].startswith("row 0: reward is inf")
+    assert "token id 1000000" in reasons[2] and "token id -5" in reasons[3]
+    # the quarantined copies are the refused bytes; the batches trained on are the good ones
+    bad0 = from_parquet_bytes(run.store.read(records[0]["key"].replace(".json", ".parquet")))
+    assert np.isnan(bad0.reward[3])
+    assert _published_finite(run) == [0, 1, 2, 3, 4]
+    train = sorted(run.read_metrics("train"), key=lambda r: r["step"])
+    assert [r["batch_index"] for r in train] == [0, 1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in train)
+    assert train[-1]["quarantined_total"] == 4
+
+
+def test_a_batch_refused_again_and_again_stops_the_trainer_with_a_clear_error(
+    grpo_run, real_batch, tmp_path
+):
+    from tpu_jobs.trainer import IntegrityError
+
+    run = clone_run(grpo_run, str(tmp_path / "run"))
+    leases = BatchLeases(run.store, ttl_seconds=30)
+    bad = to_parquet_bytes(_poisoned(real_batch, 0, "nan reward"))
+    leases.commit_batch(0, bad)
+
+    def log(line: str) -> None:  # a broken worker: the same bad batch every time
+        if line.startswith("[trainer] refused batch 0"):
+            leases.commit_batch(0, bad)
+
+    with pytest.raises(IntegrityError, match="3 refused batches or non-finite steps in a row"):
+        Trainer(run, log=log, fused=False).train()
+    assert len(leases.quarantined(0)) == 3
+    assert _published_finite(run) == [0]  # nothing but the base was published
+
+
+@pytest.mark.parametrize("path", ["single", "fused", "several updates"])
+def test_the_finite_guard_skips_a_non_finite_update_and_keeps_the_state(
+    path, grpo_run, trainer, real_batch
+):
+    """A NaN that gets past the batch checks (here: planted in the step's inputs) makes the
+    gradients NaN; the update is skipped inside the program: params and optimizer state
+    come back bit for bit, and the step reports it."""
+    changes = {"mini_batches": 2, "epochs": 2} if path == "several updates" else {}
+    cfg = with_trainer(grpo_run.config, **changes)
+    learner = Learner(cfg, trainer.prompt_len, fused=path == "fused")
+    params, opt = learner.init_state(trainer._base_params())
+    before = jax.tree.map(np.array, (params, opt))
+    inputs = learner.inputs(real_batch)
+    rows = np.arange(len(inputs.rewards))  # a NaN in each mini-batch: every update is hit
+    poisoned = inputs._replace(rewards=np.where(np.isin(rows, [2, rows[-1]]), np.nan, 0.5))
+    ref = trainer._base_params()  # GRPO's KL term
+    params, opt, metrics = learner.step(params, opt, ref, poisoned)
+    assert metrics["nonfinite_updates"] == learner.updates_per_step
+    assert not np.isfinite(metrics["grad_norm"])
+    after = jax.tree.map(np.array, (params, opt))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # and a good batch still updates
+    params, opt, metrics = learner.step(params, opt, ref, inputs)
+    assert metrics["nonfinite_updates"] == 0 and np.isfinite(metrics["loss"])
+
+
+def test_a_non_finite_step_is_skipped_quarantined_and_never_published(
+    grpo_run, real_batch, tmp_path, monkeypatch
+):
+    """The trainer's side of the guard: a batch that passes the checks (they are switched
+    off here) yet gives NaN gradients is not trained on; the step is taken on the batch a
+    worker produces again."""
+    import tpu_jobs.trainer as T
+
+    monkeypatch.setattr(T, "read_checked", lambda data, limits: from_parquet_bytes(data))
+    run = clone_run(grpo_run, str(tmp_path / "run"))
+    leases = BatchLeases(run.store, ttl_seconds=30)
+    leases.commit_batch(0, to_parquet_bytes(_poisoned(real_batch, 0, "nan reward")))
+    leases.commit_batch(1, to_parquet_bytes(_relabel(real_batch, 1, 1)))
+    log = _Reproducer(run, {0: _relabel(real_batch, 0, 0)})
+    state = Trainer(run, log=log, fused=False).train()
+    assert (state.step, state.nonfinite_steps, state.quarantined) == (2, 1, 1)
+    assert "non-finite gradients or parameters" in leases.quarantined(0)[0]["reason"]
+    assert _published_finite(run) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("damage", ["flipped shard", "missing version"])
+def test_a_version_a_worker_refuses_is_reported_and_rewritten_by_the_trainer(
+    damage, grpo_run, worker, tmp_path, monkeypatch
+):
+    """The probe's finding 5: a corrupted published shard was refused by the worker, which
+    then retried forever while the trainer kept asking "is a rollout worker running?";
+    LATEST naming a missing version crashed the worker. Now the worker leaves a marker, the
+    trainer rewrites its current version from its parameters, and the worker goes on."""
+    from pipeline.paramserver import ParamServer
+
+    run = clone_run(grpo_run, str(tmp_path / "run"))
+    trainer = Trainer(run, log=lambda m: None, fused=False)
+    lines: list[str] = []
+    trainer.log = lines.append
+    state = trainer.restore_or_init()
+    trainer.epoch = trainer.ps.acquire_epoch()
+    trainer._publish(state, trainer.epoch)
+    original = {k: np.array(v) for k, v in trainer.ps.pull(0).tensors.items()}
+    weights = tmp_path / "run" / "weights" / "v00000000"
+    if damage == "flipped shard":
+        shard = max(weights.glob("shard-*"), key=lambda p: p.stat().st_size)
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    else:
+        (weights / "manifest.json").unlink()  # LATEST still names v0
+    monkeypatch.setattr(worker, "ps", ParamServer(run.store))
+    monkeypatch.setattr(worker, "version", None)
+    assert not worker._ensure_version(0)
+    assert list(ParamServer(run.store).refused()) == [0]
+    trainer._heal(state)
+    assert "a rollout worker refused v0" in lines[-1] and "rewrote it" in lines[-1]
+    assert ParamServer(run.store).refused() == {}
+    assert worker._ensure_version(0)
+    healed = ParamServer(run.store).pull(0).tensors
+    assert_equal = np.testing.assert_array_equal
+    for name, x in original.items():
+        assert_equal(healed[name], x)

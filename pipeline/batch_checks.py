@@ -1,0 +1,195 @@
+"""What a rollout batch must satisfy before the trainer trains on it.
+
+Anyone who can write to `rollouts/` (a buggy worker, a bad disk, an attacker with bucket
+access) could otherwise end a run with one value: a NaN reward or a token id outside the
+vocabulary makes the loss NaN, and the next published version and checkpoint carry it.
+`read_checked` parses a batch object and checks it against the run's config and the
+object's own name; a batch that fails raises `BadBatchError` naming the column and row, and
+the trainer quarantines it (`BatchLeases.quarantine`) so a worker produces it again.
+
+The checks run on the Arrow columns (one vectorised pass per column, no Python loop over
+tokens), so they cost little next to a training step.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.rollouts import FULL_SCHEMA, KINDS, SCHEMA, RolloutBatch, batch_from_table
+
+# A sampled token's log-probability is <= 0; allow rounding of a low-precision sampler.
+MAX_LOGPROB = 1e-3
+
+
+class BadBatchError(ValueError):
+    """A rollout batch the trainer must not train on; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What the run's config allows in batch `index`."""
+
+    index: int  # the batch index the object is named for
+    group_size: int
+    max_rows: int  # prompts_per_batch * G
+    vocab_size: int
+    max_prompt_tokens: int
+    max_completion_tokens: int
+    newest_version: int  # the newest policy version published so far
+    reward_range: tuple[float, float]
+    allow_empty: bool  # dynamic sampling may commit a batch without any group
+
+
+def read_checked(data: bytes, limits: BatchLimits) -> RolloutBatch | None:
+    """The batch in `data` if it passes every check; None for an allowed empty batch.
+
+    Raises BadBatchError otherwise."""
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise BadBatchError(f"not a readable Parquet file ({type(err).__name__}: {err})") from None
+    check_schema(table)
+    if table.num_rows == 0:
+        if limits.allow_empty:
+            return None
+        raise BadBatchError(
+            "has no rows; only dynamic sampling (trainer.dynamic_sampling) commits empty batches"
+        )
+    check_rows(table, limits)
+    return batch_from_table(table)
+
+
+def check_schema(table: pa.Table) -> None:
+    """Every required column present, without nulls; every column of its declared type."""
+    missing = [n for n in SCHEMA.names if n not in table.column_names]
+    if missing:
+        raise BadBatchError(f"lacks columns {missing}; required: {', '.join(SCHEMA.names)}")
+    for field in FULL_SCHEMA:
+        if field.name not in table.column_names:
+            continue
+        got = table.schema.field(field.name).type
+        if got != field.type:
+            raise BadBatchError(f"column {field.name} is {got}; expected {field.type}")
+        if field.name in SCHEMA.names and table.column(field.name).null_count:
+            raise BadBatchError(f"column {field.name} has nulls; every row needs a value")
+
+
+def _first(bad: np.ndarray) -> int:
+    return int(np.flatnonzero(bad)[0])
+
+
+def _column(table: pa.Table, name: str) -> np.ndarray:
+    return table.column(name).to_numpy(zero_copy_only=False)
+
+
+def _lists(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(values, row of each value, length of each row) of a list column; null rows have
+    length -1 (only the optional loss_mask may have them)."""
+    arr = table.column(name).combine_chunks()
+    values = arr.flatten().to_numpy(zero_copy_only=False)
+    rows = pc.list_parent_indices(arr).to_numpy(zero_copy_only=False)
+    lengths = pc.fill_null(pc.list_value_length(arr), -1).to_numpy(zero_copy_only=False)
+    return values, rows, lengths
+
+
+def _one_value(table: pa.Table, name: str) -> object:
+    values = pc.unique(table.column(name)).to_pylist()
+    if len(values) != 1:
+        raise BadBatchError(f"column {name} holds {values[:5]}; one value per batch is required")
+    return values[0]
+
+
+def check_rows(table: pa.Table, lim: BatchLimits) -> None:
+    """The row-level checks of a non-empty batch with a valid schema."""
+    n, g = table.num_rows, lim.group_size
+    index = _one_value(table, "batch_index")
+    if index != lim.index:
+        raise BadBatchError(f"batch_index column is {index}, but the object is batch {lim.index}")
+    version = _one_value(table, "policy_version")
+    if not 0 <= int(version) <= lim.newest_version:
+        raise BadBatchError(
+            f"policy_version {version} was never published (published: 0..{lim.newest_version})"
+        )
+    _one_value(table, "worker_id")
+    if n % g or n > lim.max_rows:
+        raise BadBatchError(
+            f"has {n} rows; allowed: whole groups of G={g}, at most {lim.max_rows} rows"
+        )
+    pos = _column(table, "prompt_pos").reshape(-1, g)
+    sample = _column(table, "sample_index").reshape(-1, g)
+    ids = np.asarray(table.column("prompt_id").to_pylist(), object).reshape(-1, g)
+    bad = (pos != pos[:, :1]).any(1) | (sample != np.arange(g)).any(1) | (ids != ids[:, :1]).any(1)
+    if bad.any():
+        raise BadBatchError(
+            f"group {_first(bad)} (rows {_first(bad) * g}..{_first(bad) * g + g - 1}) is not one "
+            f"prompt with sample_index 0..{g - 1} in order"
+        )
+    if "kind" in table.column_names:
+        kinds = pc.fill_null(table.column("kind"), "solve")
+        wrong = ~np.isin(kinds.to_numpy(zero_copy_only=False), KINDS)
+        if wrong.any():
+            raise BadBatchError(f"row {_first(wrong)}: kind is not one of {', '.join(KINDS)}")
+    _check_tokens(table, lim)
+    _check_values(table, lim)
+
+
+def _check_tokens(table: pa.Table, lim: BatchLimits) -> None:
+    limits = {"prompt_ids": lim.max_prompt_tokens, "completion_ids": lim.max_completion_tokens}
+    for name, max_len in limits.items():
+        values, rows, lengths = _lists(table, name)
+        wrong = (values < 0) | (values >= lim.vocab_size)
+        if wrong.any():
+            at = _first(wrong)
+            raise BadBatchError(
+                f"row {rows[at]}: {name} holds token id {values[at]}; allowed: 0..{lim.vocab_size - 1}"
+                " (model.vocab_size)"
+            )
+        too_long = lengths > max_len
+        if too_long.any():
+            row = _first(too_long)
+            raise BadBatchError(f"row {row}: {name} has {lengths[row]} tokens; at most {max_len}")
+        if name == "prompt_ids" and (lengths < 1).any():
+            raise BadBatchError(f"row {_first(lengths < 1)}: prompt_ids is empty")
+    completion_len = _lists(table, "completion_ids")[2]
+    logp, logp_rows, logp_len = _lists(table, "behaviour_logprobs")
+    wrong = logp_len != completion_len
+    if wrong.any():
+        row = _first(wrong)
+        raise BadBatchError(
+            f"row {row}: behaviour_logprobs has {logp_len[row]} entries for "
+            f"{completion_len[row]} completion tokens; they must match"
+        )
+    wrong = ~np.isfinite(logp) | (logp > MAX_LOGPROB)
+    if wrong.any():
+        at = _first(wrong)
+        raise BadBatchError(
+            f"row {logp_rows[at]}: behaviour_logprobs holds {logp[at]}; a log-probability is "
+            "finite and <= 0"
+        )
+    if "loss_mask" in table.column_names:
+        mask, mask_rows, mask_len = _lists(table, "loss_mask")
+        wrong = (mask_len >= 0) & (mask_len != completion_len)
+        if wrong.any():
+            row = _first(wrong)
+            raise BadBatchError(
+                f"row {row}: loss_mask has {mask_len[row]} entries for {completion_len[row]} "
+                "completion tokens; they must match"
+            )
+        wrong = (mask != 0) & (mask != 1)
+        if wrong.any():
+            raise BadBatchError(f"row {mask_rows[_first(wrong)]}: loss_mask holds values not 0/1")
+
+
+def _check_values(table: pa.Table, lim: BatchLimits) -> None:
+    reward = _column(table, "reward").astype(np.float64)
+    lo, hi = lim.reward_range
+    wrong = ~np.isfinite(reward) | (reward < lo) | (reward > hi)
+    if wrong.any():
+        row = _first(wrong)
+        raise BadBatchError(f"row {row}: reward is {reward[row]}; allowed: finite, in [{lo}, {hi}]")

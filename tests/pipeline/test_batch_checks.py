@@ -1,0 +1,151 @@
+"""pipeline.batch_checks: each bad batch the integrity probe planted is refused with a
+message naming the column and row; a good batch passes unchanged."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.batch_checks import BadBatchError, BatchLimits, read_checked
+from pipeline.rollouts import RolloutBatch, from_parquet_bytes, to_parquet_bytes
+
+G, GROUPS, VOCAB = 2, 2, 56
+LIMITS = BatchLimits(
+    index=7,
+    group_size=G,
+    max_rows=G * GROUPS,
+    vocab_size=VOCAB,
+    max_prompt_tokens=8,
+    max_completion_tokens=6,
+    newest_version=3,
+    reward_range=(0.0, 1.0),
+    allow_empty=False,
+)
+
+
+def good_batch() -> RolloutBatch:
+    n = G * GROUPS
+    return RolloutBatch(
+        batch_index=7,
+        prompt_pos=np.repeat(np.arange(GROUPS), G),
+        prompt_id=[f"p{i // G}" for i in range(n)],
+        task=["arithmetic"] * n,
+        sample_index=np.tile(np.arange(G), GROUPS),
+        prompt_ids=[[1, 10, 11, 12]] * n,
+        completion_ids=[[13, 14, 2], [15, 2], [16], [17, 18, 19, 2]],
+        behaviour_logprobs=[[-0.5, -1.0, -0.1], [-2.0, -0.3], [-0.7], [-0.2] * 4],
+        completion=["a", "b", "c", "d"],
+        finished=np.ones(n, bool),
+        reward=np.asarray([1.0, 0.0, 0.0, 1.0], np.float32),
+        policy_version=3,
+        worker_id="w0",
+    )
+
+
+def with_column(data: bytes, name: str, values, type_=None) -> bytes:
+    table = pq.read_table(io.BytesIO(data))
+    i = table.column_names.index(name)
+    col = pa.array(values, type=type_ or table.schema.field(name).type)
+    table = table.set_column(i, pa.field(name, col.type), col)
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+def test_a_good_batch_passes_unchanged():
+    data = to_parquet_bytes(good_batch())
+    got = read_checked(data, LIMITS)
+    ref = from_parquet_bytes(data)
+    assert got.completion_ids == ref.completion_ids
+    assert got.reward.tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_rewards_at_the_ends_of_the_range_pass():
+    data = with_column(to_parquet_bytes(good_batch()), "reward", [-1.0, 1.0, 0.0, 0.5])
+    assert read_checked(data, BatchLimits(**{**LIMITS.__dict__, "reward_range": (-1.0, 1.0)}))
+
+
+def _tokens(row: int, token: int) -> list[list[int]]:
+    ids = [list(c) for c in good_batch().completion_ids]
+    ids[row][0] = token
+    return ids
+
+
+BAD = {
+    "nan reward": ("reward", [1.0, float("nan"), 0.0, 1.0], r"row 1: reward is nan"),
+    "inf reward": ("reward", [1.0, 0.0, float("inf"), 1.0], r"row 2: reward is inf"),
+    "reward above range": ("reward", [1.0, 0.0, 0.0, 7.0], r"row 3: reward is 7.0"),
+    "token id 10^6": ("completion_ids", _tokens(2, 10**6), r"row 2: .*token id 1000000"),
+    "token id -5": ("completion_ids", _tokens(1, -5), r"row 1: .*token id -5; allowed: 0..55"),
+    "batch_index not the name": ("batch_index", [9] * 4, "batch_index column is 9, but .* 7"),
+    "future policy_version": ("policy_version", [5] * 4, "policy_version 5 was never published"),
+    "mixed policy_version": ("policy_version", [3, 3, 2, 3], "one value per batch"),
+    "logprobs of wrong length": (
+        "behaviour_logprobs",
+        [[-0.5, -1.0], [-2.0, -0.3], [-0.7], [-0.2] * 4],
+        "row 0: behaviour_logprobs has 2 entries for 3 completion tokens",
+    ),
+    "logprob nan": (
+        "behaviour_logprobs",
+        [[-0.5, -1.0, -0.1], [float("nan"), -0.3], [-0.7], [-0.2] * 4],
+        "row 1: behaviour_logprobs holds nan",
+    ),
+    "positive logprob": (
+        "behaviour_logprobs",
+        [[-0.5, -1.0, -0.1], [-2.0, -0.3], [3.0], [-0.2] * 4],
+        "row 2: behaviour_logprobs holds 3.0",
+    ),
+    "completion too long": (
+        "completion_ids",
+        [[13, 14, 2], [15, 2], [16] * 7, [17, 18, 19, 2]],
+        "row 2: completion_ids has 7 tokens; at most 6",
+    ),
+    "group out of order": ("sample_index", [0, 1, 1, 0], r"group 1 \(rows 2..3\)"),
+    "kind unknown": ("kind", ["solve", "solve", "cheat", "solve"], "row 2: kind is not one of"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_planted_bad_value_is_refused_naming_its_row(case):
+    column, values, message = BAD[case]
+    data = with_column(to_parquet_bytes(good_batch()), column, values)
+    with pytest.raises(BadBatchError, match=message):
+        read_checked(data, LIMITS)
+
+
+def test_a_column_of_the_wrong_type_is_refused():
+    data = with_column(
+        to_parquet_bytes(good_batch()),
+        "behaviour_logprobs",
+        [["a"], ["b"], ["c"], ["d"]],
+        pa.list_(pa.string()),
+    )
+    with pytest.raises(
+        BadBatchError, match="column behaviour_logprobs is list<.*string>; expected"
+    ):
+        read_checked(data, LIMITS)
+
+
+def test_garbage_bytes_are_refused_as_unreadable():
+    with pytest.raises(BadBatchError, match="not a readable Parquet file"):
+        read_checked(b"PAR1 this is not parquet", LIMITS)
+
+
+def test_an_empty_batch_is_refused_unless_dynamic_sampling_may_commit_one():
+    empty = pq.read_table(io.BytesIO(to_parquet_bytes(good_batch()))).slice(0, 0)
+    sink = io.BytesIO()
+    pq.write_table(empty, sink)
+    with pytest.raises(BadBatchError, match="has no rows"):
+        read_checked(sink.getvalue(), LIMITS)
+    dynamic = BatchLimits(**{**LIMITS.__dict__, "allow_empty": True})
+    assert read_checked(sink.getvalue(), dynamic) is None
+
+
+def test_too_many_rows_are_refused():
+    lim = BatchLimits(**{**LIMITS.__dict__, "max_rows": 2})
+    with pytest.raises(BadBatchError, match="has 4 rows; allowed: whole groups of G=2, at most 2"):
+        read_checked(to_parquet_bytes(good_batch()), lim)
