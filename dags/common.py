@@ -18,7 +18,6 @@ It holds no DAG itself (`.airflowignore` keeps the DAG processor from scanning i
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fnmatch
 import glob
 import json
@@ -27,7 +26,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -36,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import launcher
-from pipeline.config import ALGORITHMS, MODEL_PRESETS, RunConfig, load_config
+from pipeline.config import ALGORITHMS, MODEL_PRESETS, ConfigError, RunConfig, load_config
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,14 +102,41 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.") or "run"
 
 
+# The path-like Params (JSON-schema patterns: the form refuses a bad value before the run
+# starts, and `run_url_for` checks again). No ".." segment anywhere; a run id is a name
+# (the run lives under the storage root), the config file a YAML file inside the project.
+NO_DOTDOT = r"(?!(.*/)?\.\.(/|$))"
+RUN_ID_PATTERN = rf"^$|^{NO_DOTDOT}[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$"
+STORAGE_ROOT_PATTERN = (
+    rf"^{NO_DOTDOT}(gs://[a-z0-9][a-z0-9._-]*(/[A-Za-z0-9._-]+)*|/?[A-Za-z0-9._-]+"
+    r"(/[A-Za-z0-9._-]+)*)/?$"
+)
+CONFIG_FILE_PATTERN = rf"^{NO_DOTDOT}[A-Za-z0-9_][A-Za-z0-9._/-]*\.ya?ml$"
+
+
+def check_path_param(name: str, value: str, pattern: str, allowed: str) -> str:
+    if not re.match(pattern, value):
+        raise ConfigError(f"Param {name}={value!r} is invalid; allowed: {allowed}")
+    return value
+
+
 def run_url_for(params: Mapping[str, Any], dag_run_id: str) -> str:
-    """The run's URL: `run_id` as a full URL/absolute path, else `storage_root/run_id`,
-    else `storage_root/airflow-<dag run id>` (stable across task retries)."""
-    run_id = (params.get("run_id") or "").strip()
-    if "://" in run_id or run_id.startswith("/"):
-        return resolve_root(run_id)
+    """The run's URL: `storage_root/run_id`, or `storage_root/airflow-<dag run id>` when
+    `run_id` is empty (stable across task retries)."""
+    run_id = check_path_param(
+        "run_id",
+        (params.get("run_id") or "").strip(),
+        RUN_ID_PATTERN,
+        "a name of letters, digits, . _ - (no '..'), or empty",
+    )
+    root = check_path_param(
+        "storage_root",
+        params.get("storage_root") or "runs",
+        STORAGE_ROOT_PATTERN,
+        "a directory or gs://bucket/prefix without '..' segments",
+    )
     name = run_id or f"airflow-{safe_name(dag_run_id)}"
-    return f"{resolve_root(params.get('storage_root') or 'runs')}/{name}"
+    return f"{resolve_root(root)}/{name}"
 
 
 def local_path(url: str) -> str:
@@ -152,10 +177,10 @@ def rl_params() -> dict[str, Any]:
             "",
             type="string",
             title="Run id",
-            description="Name of the run under the storage root (letters, digits, . _ -), or "
-            "a full run URL (/abs/dir, gs://bucket/prefix). Empty: airflow-<dag run id>. "
-            "Re-using an id resumes that run (it must have the same config).",
-            pattern=r"^([A-Za-z0-9._-]*|(/|gs://|file://)\S+)$",
+            description="Name of the run under the storage root (letters, digits, . _ -; no "
+            "'..'). Empty: airflow-<dag run id>. Re-using an id resumes that run (it must "
+            "have the same config).",
+            pattern=RUN_ID_PATTERN,
             section="Run",
         ),
         "storage_root": Param(
@@ -163,17 +188,20 @@ def rl_params() -> dict[str, Any]:
             type="string",
             title="Storage root",
             description="Where runs live: a directory (relative to the project) or "
-            "gs://bucket/prefix.",
+            "gs://bucket/prefix (no '..' segments).",
             minLength=1,
+            pattern=STORAGE_ROOT_PATTERN,
             section="Run",
         ),
         "config_file": Param(
             "configs/demo.yaml",
             type="string",
             title="Config file",
-            description="Run config YAML (relative to the project); the fields below override it.",
+            description="Run config YAML, relative to the project (no '..'); the fields below "
+            "override it.",
             examples=["configs/demo.yaml", "configs/tiny.yaml"],
             minLength=1,
+            pattern=CONFIG_FILE_PATTERN,
             section="Run",
         ),
         "task_families": Param(
@@ -243,7 +271,14 @@ def rl_params() -> dict[str, Any]:
 def config_from_params(params: Mapping[str, Any], model_overrides: Sequence[str] = ()) -> RunConfig:
     """The run config: config file, then the typed Params, then model overrides taken from
     an HF checkpoint, then the free-form dotted overrides. Raises ConfigError."""
-    path = Path(params.get("config_file") or "configs/demo.yaml")
+    path = Path(
+        check_path_param(
+            "config_file",
+            params.get("config_file") or "configs/demo.yaml",
+            CONFIG_FILE_PATTERN,
+            "a .yaml file relative to the project, without '..'",
+        )
+    )
     if not path.is_absolute():
         path = PROJECT_ROOT / path
     base = load_config(path)
@@ -282,20 +317,6 @@ def worker_ids(n: int) -> list[str]:
 
 # ----------------------------------------------------------------- child processes
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the task process dies (even by SIGKILL), so a killed
-    task never leaves an orphaned trainer behind (Linux; elsewhere a no-op)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def module_command(module: str, args: Sequence[str]) -> list[str]:
-    """`python -m MODULE ARGS` for jobs without a launcher role (curation, HF import)."""
-    return [sys.executable, "-m", module, *args]
-
 
 def _pump(stream, capture: list[str] | None) -> None:
     """Copy the child's output into the task log (the task's stdout), line by line."""
@@ -304,20 +325,6 @@ def _pump(stream, capture: list[str] | None) -> None:
         if capture is not None:
             capture.append(line)
         print(line, flush=True)
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the job's process group (the trainer checkpoints on it), then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def stream_command(
@@ -336,14 +343,13 @@ def stream_command(
     the task (Airflow stopping it, a node being drained) stops the job the same way.
     """
     print(f"[airflow] starting {name}: {shlex.join(cmd)}", flush=True)
-    proc = subprocess.Popen(
-        list(cmd),
+    # Its own process group (stopped as a whole), SIGTERM if the task process dies.
+    proc = launcher.spawn(
+        cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=launcher.job_env(),
         cwd=PROJECT_ROOT,
-        start_new_session=True,  # its own process group: stopped as a whole
-        preexec_fn=_die_with_parent,
     )
     reader = threading.Thread(target=_pump, args=(proc.stdout, capture), daemon=True)
     reader.start()
@@ -363,7 +369,7 @@ def stream_command(
                     stopped.append(why)
     finally:
         if proc.poll() is None:
-            _stop_group(proc, grace_s)
+            launcher.stop_group(proc, grace_s)
         reader.join(10)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -415,7 +421,7 @@ def curate_command(
             continue
         flag = "--" + key.replace("_", "-")
         args += [flag] if value is True else [flag, str(value)]
-    return module_command("beam_jobs.curate", [*args, *beam_args])
+    return launcher.module_command("beam_jobs.curate", [*args, *beam_args])
 
 
 def glob_has_matches(pattern: str) -> bool:
@@ -608,7 +614,7 @@ def report_body(run_url: str, keep_existing: bool = False) -> str:
 
 def hf_model_overrides(path: str) -> list[str]:
     """The `model.*` overrides matching an HF checkpoint (`python -m tpu_jobs.hf config`)."""
-    cmd = module_command("tpu_jobs.hf", ["config", path])
+    cmd = launcher.module_command("tpu_jobs.hf", ["config", path])
     done = subprocess.run(
         cmd, capture_output=True, text=True, env=launcher.job_env(), cwd=PROJECT_ROOT
     )

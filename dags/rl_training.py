@@ -36,7 +36,6 @@ from dags.common import (
     curate_command,
     hf_model_overrides,
     local_path,
-    module_command,
     rl_params,
     run_role,
     run_url_for,
@@ -44,6 +43,7 @@ from dags.common import (
     worker_ids,
     write_curated_data,
 )
+from pipeline import launcher
 
 
 @dag(
@@ -103,7 +103,8 @@ def rlax_rl_training():
         hf = get_current_context()["params"].get("hf_checkpoint")
         if hf:
             stream_command(
-                module_command("tpu_jobs.hf", ["import", hf, "--run", run_url]), name="hf-import"
+                launcher.module_command("tpu_jobs.hf", ["import", hf, "--run", run_url]),
+                name="hf-import",
             )
         else:
             run_role("sft", run_url)

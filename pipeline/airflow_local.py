@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline import launcher
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HOME = PROJECT_ROOT / "airflow_home"
 DAGS_FOLDER = PROJECT_ROOT / "dags"
@@ -121,6 +123,9 @@ def airflow_env(
             # Task processes reach the API server here; it defaults to port 8080.
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
             "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
+            # Unauthenticated: loopback only (its default is 0.0.0.0:8974), on a free port.
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_HOST": "127.0.0.1",
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT": str(free_port()),
             "AIRFLOW__LOGGING__COLORED_CONSOLE_LOG": "False",
             "NO_PROXY": "127.0.0.1,localhost",
             "no_proxy": "127.0.0.1,localhost",
@@ -159,19 +164,24 @@ class LocalAirflow:
     def start(self, timeout: float = 300.0) -> LocalAirflow:
         self.home = Path(self.home).resolve()
         self.home.mkdir(parents=True, exist_ok=True)
+        # The metadata database, the secrets and the task logs: this user's alone.
+        self.home.chmod(0o700)
         self.port = self.port or free_port()
         self.password = ensure_password(self.home)
         env = airflow_env(self.home, self.port, parallelism=self.parallelism, extra=self.env_extra)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         try:
-            self.proc = subprocess.Popen(
+            # Its own process group, stopped as a whole; the watchdog stops that group if
+            # this process dies (standalone's own children would outlive it).
+            self.proc = launcher.spawn(
                 [str(Path(sys.executable).parent / "airflow"), "standalone"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 cwd=PROJECT_ROOT,
-                start_new_session=True,  # its own process group, stopped as a whole
+                watchdog=True,
+                umask=0o077,  # airflow.db and the logs it creates: 0600 / 0700
             )
         finally:
             log.close()
@@ -552,10 +562,19 @@ def demo_via_airflow(
     starts); the DAG rebuilds the same config from the conf (config file + overrides)."""
     root = _absolute(cfg.storage.root)
     url = _absolute(run) if run else f"{root}/demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    # The DAG's Params take a run name under a storage root and a config file inside the
+    # project (docs/security.md), so a --run URL is split into its parent and its name.
+    root, _, name = url.rpartition("/")
+    config = Path(config_path).resolve()
+    if not config.is_relative_to(PROJECT_ROOT):
+        raise AirflowError(
+            f"config {config} is outside the project; the DAG reads config files relative "
+            f"to {PROJECT_ROOT}: copy it under configs/ (or run `rlax demo` without --airflow)"
+        )
     conf: dict[str, Any] = {
-        "run_id": url,
+        "run_id": name,
         "storage_root": root,
-        "config_file": str(Path(config_path).resolve()),
+        "config_file": str(config.relative_to(PROJECT_ROOT)),
         "eval_every": eval_every,
         "overrides": list(overrides),
     }

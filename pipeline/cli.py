@@ -23,12 +23,15 @@ cluster would run.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from pipeline import launcher
-from pipeline.config import ConfigError, load_config
+from pipeline.config import load_config
+from pipeline.entrypoint import DEBUG_ENV, run_main
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 DEFAULT_CHAOS_CONFIG = DEFAULT_CONFIG.parent / "chaos.yaml"
@@ -102,7 +105,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         Path(args.out).write_text(f"# Chaos run\n\n`rlax chaos` root: `{root}`\n\n{table}\n")
         Path(args.out).with_suffix(".json").write_text(json.dumps(result, indent=2))
     ok = (
-        result["identical"]
+        result["conclusive"]
+        and result["identical"]
         and result["batches_lost"] == 0
         and not result["latest_moved_backwards"]
         and result["batches_produced_twice"] == 0
@@ -112,12 +116,10 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
     """Publish a Hugging Face checkpoint as the base model (version 0 source) of a run."""
-    import subprocess
-
-    cmd = [sys.executable, "-m", "tpu_jobs.hf", "import", args.path, "--run", args.run]
+    cmd = launcher.module_command("tpu_jobs.hf", ["import", args.path, "--run", args.run])
     if args.config:
         cmd += ["--config", args.config]
-    return subprocess.call(cmd + list(args.overrides), env=launcher.job_env())
+    return launcher.run_supervised(cmd + list(args.overrides), launcher.job_env())
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -154,6 +156,11 @@ def _job(role: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show tracebacks of expected errors (config, storage, YAML) instead of one line",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -240,20 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     if rest and args.command not in launcher.JOBS:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.job_args = rest
-    try:
-        return args.func(args)
-    except ConfigError as err:
-        print(f"rlax: config error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except Exception as err:  # noqa: BLE001 - top level: one clear line, not a traceback
-        from pipeline.run import RunError
-
-        if isinstance(err, RunError):
-            print(f"rlax: {err}", file=sys.stderr)
-            return 2
-        raise
+    # SIGTERM and SIGHUP stop a command as Ctrl-C does: its cleanup runs (`rlax airflow`
+    # stops all of Airflow). Role commands forward them to the job instead (run_supervised).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # the jobs it starts inherit it
+    # Expected errors (config, run, storage, YAML) end in one line, not a traceback.
+    return run_main("rlax", lambda _argv: args.func(args))
 
 
 if __name__ == "__main__":

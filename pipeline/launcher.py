@@ -3,15 +3,27 @@
 `rlax`, the demo and the Airflow DAGs all start jobs through here, so a laptop run and
 a cluster run differ only in where the very same command lands (a local process here;
 a Kubernetes pod, a TPU VM or a Dataflow job at scale).
+
+Supervision. Every child starts in its own process group (`spawn`), so it is stopped as a
+whole, and with PR_SET_PDEATHSIG: if the process that started it dies, even by SIGKILL, the
+child gets SIGTERM (the trainer checkpoints on it, a worker finishes its batch). A child with
+children of its own (Airflow's dozen processes) also gets a watchdog (`watchdog=True`): a
+small sidecar process that stops the child's whole group when the parent dies. In the
+foreground (`run_supervised`, `rlax train` and the other role commands) SIGTERM, SIGINT and
+SIGHUP to the parent are forwarded to the child's group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO, Any
 
 # role -> python module with a `main(argv)` entry point
 JOBS: dict[str, str] = {
@@ -63,6 +75,147 @@ def job_env() -> dict[str, str]:
     return env
 
 
+def module_command(module: str, args: Sequence[str]) -> list[str]:
+    """`python -m MODULE ARGS` for jobs without a role (curation, HF import)."""
+    return [sys.executable, "-m", module, *args]
+
+
+# ----------------------------------------------------------------------- supervision
+
+_PR_SET_PDEATHSIG = 1
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+# PR_SET_PDEATHSIG is set by a tiny exec wrapper (python -I -S: ~10 ms), not by a
+# preexec_fn: Python code between fork and exec can deadlock in a multithreaded parent
+# (JAX's, Airflow's), e.g. on the loader lock ctypes needs. The death signal survives exec;
+# a parent that died before prctl is caught by the getppid check.
+_PDEATHSIG_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    f"ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(143)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def with_parent_death_signal(cmd: Sequence[str]) -> list[str]:
+    """`cmd`, wrapped so that it gets SIGTERM when this process dies, even by SIGKILL
+    (Linux; elsewhere `cmd` unchanged)."""
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
+
+
+# The watchdog sidecar (python -I -S: ~10 ms to start): SIGTERM when its parent (the one
+# that spawned the child) dies; then it stops the child's group, SIGTERM and after a grace
+# SIGKILL. It exits by itself once the group is gone.
+_WATCHDOG = """
+import ctypes, os, signal, sys, time
+group, grace, parent = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+def alive():
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+def stop(*_):
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            break
+        end = time.monotonic() + wait
+        while alive() and time.monotonic() < end:
+            time.sleep(0.2)
+    os._exit(0)
+signal.signal(signal.SIGTERM, stop)
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+if os.getppid() != parent:
+    stop()
+while alive():
+    time.sleep(1.0)
+"""
+
+
+def spawn(
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    stdin: Any = None,
+    stdout: IO[bytes] | int | None = None,
+    stderr: IO[bytes] | int | None = None,
+    watchdog: bool = False,
+    grace_s: float = 30.0,
+    umask: int = -1,
+) -> subprocess.Popen:
+    """Start `cmd` in its own process group, tied to this process's life (see above);
+    `umask` >= 0 sets the child's file-creation mask."""
+    proc = subprocess.Popen(
+        with_parent_death_signal(cmd),
+        env=env,
+        umask=umask,
+        cwd=cwd,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,
+    )
+    if watchdog:
+        subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(proc.pid), str(grace_s)]
+            + [str(os.getpid())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # not in the group it stops
+        )
+    return proc
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the child's process group (the trainer checkpoints on it), then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def exit_status(returncode: int) -> int:
+    """A shell's exit status for a child's return code (128 + N when killed by signal N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_supervised(cmd: Sequence[str], env: dict[str, str], grace_s: float = 60.0) -> int:
+    """Run `cmd` in the foreground with inherited output, forwarding SIGTERM, SIGINT and
+    SIGHUP to its process group; return its exit status."""
+    proc = spawn(cmd, env=env)
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+
+        def forward(sig: int, _frame: Any) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+
+        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        return exit_status(proc.wait())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:  # we are leaving by an exception: take the job with us
+            stop_group(proc, grace_s)
+
+
 def start(
     role: str,
     run_url: str,
@@ -76,15 +229,13 @@ def start(
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-    return subprocess.Popen(
-        cmd,
-        stdout=out,
-        stderr=subprocess.STDOUT if out else None,
-        env=job_env(),
-        start_new_session=True,
-    )
+    try:
+        return spawn(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=job_env())
+    finally:
+        if out is not None:
+            out.close()  # the child has its own descriptor
 
 
 def run_job(role: str, run_url: str, extra: Sequence[str] = ()) -> int:
-    """Run a job in the foreground with inherited output; return its exit code."""
-    return subprocess.call(job_command(role, run_url, extra), env=job_env())
+    """Run a job in the foreground (`rlax train`, ...) under `run_supervised`."""
+    return run_supervised(job_command(role, run_url, extra), job_env())

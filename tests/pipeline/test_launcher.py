@@ -1,9 +1,17 @@
-"""The launcher's job environment: the persistent compilation cache every job shares."""
+"""The launcher: the jobs' environment (the persistent compilation cache every job shares)
+and the supervision of child processes (no job outlives the command that started it)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from pipeline import launcher
 
@@ -42,3 +50,116 @@ def test_compilation_cache_can_be_turned_off_or_set_by_jax_itself(monkeypatch):
     assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == launcher.COMPILE_CACHE_MIN_SECONDS
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere")  # JAX's own setting wins
     assert launcher.job_env()["JAX_COMPILATION_CACHE_DIR"] == "/elsewhere"
+
+
+# ----------------------------------------------------------------------- supervision
+# The probe's finding 3: after kill -9 or SIGTERM of `rlax train` or `rlax rollout` the job
+# kept running as an orphan (an orphaned trainer took a new epoch and kept training).
+
+
+def _children_with(marker: str) -> list:
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if marker in " ".join(proc.info["cmdline"] or []):
+                out.append(proc)
+    return out
+
+
+def _wait_until(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout:.0f}s: {what}")
+
+
+@pytest.fixture
+def waiting_run(tmp_path):
+    """A run with data but no weights: its rollout worker waits (polls) for version 0."""
+    from pipeline.demo import write_data
+    from pipeline.run import Run
+    from tests.runs import tiny_config
+
+    run = Run.create(str(tmp_path / "run"), tiny_config())
+    write_data(run)
+    return run
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_stopping_rlax_rollout_stops_its_worker(waiting_run, sig, tmp_path):
+    rlax = Path(sys.executable).parent / "rlax"
+    parent = subprocess.Popen(
+        [str(rlax), "rollout", "--run", waiting_run.url, "--worker-id", f"probe-{sig.name}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        worker = _wait_until(
+            lambda: (
+                _children_with(f"probe-{sig.name}")
+                and [p for p in _children_with(f"probe-{sig.name}") if p.pid != parent.pid]
+            ),
+            60,
+            "the worker process started",
+        )[0]
+        parent.send_signal(sig)
+        # SIGKILL: the worker gets SIGTERM from PR_SET_PDEATHSIG; SIGTERM: rlax forwards it.
+        _wait_until(lambda: not worker.is_running() or worker.status() == "zombie", 20, "exit")
+        code = parent.wait(20)
+        # SIGTERM: rlax exits with the worker's status, 0 when it had installed its handler
+        # (it stops after its poll), 143 when the signal came while it was still starting.
+        assert code == -9 if sig == signal.SIGKILL else code in (0, 143)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            parent.kill()
+
+
+WATCHED = """
+import sys, time
+from pipeline import launcher
+naps = f"sleep {sys.argv[1]}"
+launcher.spawn(["bash", "-c", f"{naps} & {naps} & wait"], watchdog=True, grace_s=2)
+print("spawned", flush=True)
+time.sleep(300)
+"""
+
+
+def test_the_watchdog_stops_a_childs_whole_group_when_the_parent_is_killed():
+    """What keeps Airflow's dozen processes from outliving `rlax airflow` killed by -9: the
+    child's own children (here two sleeps under bash) are stopped too."""
+    naps = f"{300 + os.getpid() % 1000}.{time.time_ns() % 10**6:06d}"  # ours alone
+    parent = subprocess.Popen(
+        [sys.executable, "-c", WATCHED, naps],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).parents[2],
+    )
+    try:
+        assert parent.stdout.readline().strip() == b"spawned"
+        sleeps = _wait_until(
+            lambda: [p for p in _children_with(f"sleep {naps}") if p.name() == "sleep"],
+            10,
+            "the grandchildren started",
+        )
+        group = os.getpgid(sleeps[0].pid)
+        assert group != os.getpgid(parent.pid)
+    finally:
+        parent.kill()
+        parent.wait()
+
+    def group_gone() -> bool:
+        try:
+            os.killpg(group, 0)
+            return False
+        except ProcessLookupError:
+            return True
+
+    _wait_until(group_gone, 15, f"process group {group} is gone")
+
+
+def test_exit_status_of_a_signalled_child_is_128_plus_the_signal():
+    assert launcher.exit_status(-15) == 143 and launcher.exit_status(3) == 3
