@@ -5,6 +5,12 @@ a chaos run where a trainer and N rollout workers are SIGKILLed at random moment
 restarted the way an Airflow retry would restart them. At the end the final published
 parameters of both must be bit-identical, every batch index must have been produced
 exactly once and consumed, and `LATEST` must never have moved backwards.
+
+A run must also prove it tested recovery: at least one kill of the trainer after its first
+verified checkpoint, one kill of a worker holding a lease (mid-batch) and one restore from a
+checkpoint. The schedule aims the first kills at exactly those moments (then kills at
+random), and a run without all three is reported inconclusive (`rlax chaos` exits 1): random
+kills alone once all landed before training got going and still reported success.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import numpy as np
 from pipeline import launcher
 from pipeline.config import RunConfig
 from pipeline.paramserver import ParamServer
-from pipeline.run import DONE_KEY, Run
+from pipeline.run import CHECKPOINT_MANIFESTS, DONE_KEY, Run
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class ChaosStats:
     kills: dict[str, int] = field(default_factory=lambda: {"trainer": 0, "rollout": 0})
     restarts: int = 0
     workers_killed_holding_lease: int = 0
+    trainer_killed_after_checkpoint: int = 0
     latest_history: list[int] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -136,9 +143,13 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
             done = run.store.exists(DONE_KEY)
             total_kills = sum(stats.kills.values())
             live = [n for n, p in procs.items() if p.poll() is None]
+            victim = None
             if not done and total_kills < s.kills and live and time.time() >= next_kill:
-                victim = rng.choice(live)
-                if victim != "trainer":
+                victim = _aimed_victim(run, stats, live) or rng.choice(live)
+            if victim is not None:
+                if victim == "trainer":
+                    stats.trainer_killed_after_checkpoint += _has_verified_checkpoint(run)
+                else:
                     held = [le for le in _live_leases(run) if le.worker_id == victim]
                     stats.workers_killed_holding_lease += bool(held)
                 procs[victim].send_signal(signal.SIGKILL)
@@ -161,6 +172,21 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
         monitor.join()
     stats.wall_s = time.time() - t0
     return stats
+
+
+def _has_verified_checkpoint(run: Run) -> bool:
+    return bool(run.store.list(f"{CHECKPOINT_MANIFESTS}/"))
+
+
+def _aimed_victim(run: Run, stats: ChaosStats, live: list[str]) -> str | None:
+    """The kills a conclusive run needs, as soon as their moment comes: the trainer once it
+    has a verified checkpoint, then a worker while it holds a lease (mid-batch)."""
+    if not stats.trainer_killed_after_checkpoint and "trainer" in live:
+        return "trainer" if _has_verified_checkpoint(run) else None
+    if not stats.workers_killed_holding_lease:
+        holders = {le.worker_id for le in _live_leases(run)} & set(live)
+        return min(holders) if holders else None
+    return None
 
 
 def _live_leases(run: Run):
@@ -204,7 +230,7 @@ def account(run: Run, stats: ChaosStats) -> dict[str, Any]:
     trainer_log = (_logs(run) / "trainer.log").read_text(errors="replace")
     step_lines = trainer_log.count("[trainer] step ")
     history = stats.latest_history
-    return {
+    out = {
         "steps": steps,
         "kills": dict(stats.kills),
         "kills_total": sum(stats.kills.values()),
@@ -220,12 +246,29 @@ def account(run: Run, stats: ChaosStats) -> dict[str, Any]:
         "generation_attempts_discarded": sum(1 for a in attempts if not a["committed"]),
         "tokens_discarded": sum(a["tokens"] for a in attempts if not a["committed"]),
         "workers_killed_mid_batch": stats.workers_killed_holding_lease,
+        "trainer_killed_after_checkpoint": stats.trainer_killed_after_checkpoint,
         "chaos_wall_s": round(stats.wall_s, 1),
     }
+    missing = [
+        what
+        for what, n in (
+            ("a trainer kill after its first checkpoint", stats.trainer_killed_after_checkpoint),
+            ("a worker kill mid-batch", stats.workers_killed_holding_lease),
+            ("a restore from a checkpoint", out["checkpoints_restored"]),
+        )
+        if not n
+    ]
+    out["conclusive"] = not missing
+    out["inconclusive_because"] = "no " + ", no ".join(missing) if missing else ""
+    return out
 
 
 def format_report(result: dict[str, Any]) -> str:
     rows = [
+        (
+            "conclusive (trainer killed after a checkpoint, worker mid-batch, a restore)",
+            result["conclusive"] or f"NO: {result['inconclusive_because']}",
+        ),
         ("final parameters bit-identical", result["identical"]),
         ("comparison", result["comparison"]),
         (
@@ -241,6 +284,7 @@ def format_report(result: dict[str, Any]) -> str:
         ("batches lost", result["batches_lost"]),
         ("LATEST moved backwards", result["latest_moved_backwards"]),
         ("checkpoints restored", result["checkpoints_restored"]),
+        ("trainer kills after its first checkpoint", result["trainer_killed_after_checkpoint"]),
         ("trainer steps recomputed after a kill", result["trainer_steps_recomputed"]),
         (
             "workers killed mid-batch (lease expired, batch redone)",

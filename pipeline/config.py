@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -79,8 +80,29 @@ class ModelConfig:
                 object.__setattr__(self, key, value)
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_seq_len",
+        ):
             _check(getattr(self, name) > 0, f"model.{name}", getattr(self, name), "> 0")
+        _check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "> 0")
+        _check(0 < self.rms_norm_eps < 1, "model.rms_norm_eps", self.rms_norm_eps, "(0, 1)")
+        if self.tokenizer == "char":  # an HF tokenizer is checked against the import
+            from pipeline.tokenizer import CharTokenizer  # pure Python, no jax
+
+            need = CharTokenizer().vocab_size
+            _check(
+                self.vocab_size >= need,
+                "model.vocab_size",
+                self.vocab_size,
+                f">= {need}, the char tokenizer's vocabulary (model.tokenizer=char)",
+            )
         _check(
             self.num_heads % self.num_kv_heads == 0,
             "model.num_kv_heads",
@@ -118,13 +140,15 @@ class TaskConfig:
             self.weights,
             f"{len(self.families)} positive numbers, one per family",
         )
+        _check(self.seed >= 0, "task.seed", self.seed, ">= 0")
         _check(self.num_train > 0, "task.num_train", self.num_train, "> 0")
         _check(self.num_eval > 0, "task.num_eval", self.num_eval, "> 0")
+        _check(self.min_digits >= 1, "task.min_digits", self.min_digits, ">= 1")
         _check(
-            1 <= self.min_digits <= self.max_digits,
-            "task.min_digits",
-            self.min_digits,
-            f"1 <= min_digits <= max_digits={self.max_digits}",
+            self.max_digits >= self.min_digits,
+            "task.max_digits",
+            self.max_digits,
+            f">= min_digits={self.min_digits}",
         )
         _check(
             2 <= self.countdown_numbers <= 5,
@@ -170,6 +194,8 @@ class SFTConfig:
         _check(self.steps >= 0, "sft.steps", self.steps, ">= 0")
         _check(self.batch_size > 0, "sft.batch_size", self.batch_size, "> 0")
         _check(self.lr > 0, "sft.lr", self.lr, "> 0")
+        _check(self.warmup_steps >= 0, "sft.warmup_steps", self.warmup_steps, ">= 0")
+        _check(self.weight_decay >= 0, "sft.weight_decay", self.weight_decay, ">= 0")
         _check(self.target_loss >= 0, "sft.target_loss", self.target_loss, ">= 0 (0: off)")
         _check(self.check_every >= 1, "sft.check_every", self.check_every, ">= 1")
         _check(0 <= self.carry_drop_prob < 1, "sft.carry_drop_prob", self.carry_drop_prob, "[0, 1)")
@@ -356,12 +382,25 @@ class TrainerConfig:
     )
     max_staleness: int = 0  # versions; 0 = synchronous on-policy; older batches are dropped
     micro_batch: int = 0  # rows per gradient-accumulation pass; 0: whole mini-batch at once
+    # --- integrity ----------------------------------------------------------------------
+    # A refused batch (pipeline.batch_checks: quarantined, produced again by a worker) or a
+    # step with non-finite gradients or parameters (skipped) is a failure; this many in a
+    # row, with no good step between, stop the trainer with an error.
+    max_consecutive_failures: int = 3
 
     def __post_init__(self) -> None:
         _one_of("trainer.algorithm", self.algorithm, ALGORITHMS)
         _check(self.steps >= 0, "trainer.steps", self.steps, ">= 0")
         _check(self.lr > 0, "trainer.lr", self.lr, "> 0")
+        _check(self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, ">= 0")
+        _check(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
         _check(self.grad_clip > 0, "trainer.grad_clip", self.grad_clip, "> 0")
+        _check(
+            self.max_consecutive_failures >= 1,
+            "trainer.max_consecutive_failures",
+            self.max_consecutive_failures,
+            ">= 1",
+        )
         for name, kind in _optional_types(type(self)).items():
             value = getattr(self, name)
             if value is not None:
@@ -477,6 +516,7 @@ class RolloutConfig:
         )
         _check(self.group_size >= 1, "rollout.group_size", self.group_size, ">= 1")
         _check(self.lease_seconds > 0, "rollout.lease_seconds", self.lease_seconds, "> 0")
+        _check(0 < self.poll_seconds <= 60, "rollout.poll_seconds", self.poll_seconds, "(0, 60]")
         _check(
             0.0 <= self.judge_fraction < 1.0,
             "rollout.judge_fraction",
@@ -532,6 +572,10 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _check(self.num_problems > 0, "eval.num_problems", self.num_problems, "> 0")
+        _check(self.num_samples >= 1, "eval.num_samples", self.num_samples, ">= 1")
+        _check(self.temperature >= 0, "eval.temperature", self.temperature, ">= 0")
+        _check(self.bootstrap >= 1, "eval.bootstrap", self.bootstrap, ">= 1")
+        _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, ">= 1")
         _check(self.every >= 1, "eval.every", self.every, ">= 1")
         _check(isinstance(self.self_prm, bool), "eval.self_prm", self.self_prm, "true or false")
         _check(isinstance(self.orm, bool), "eval.orm", self.orm, "true or false")
@@ -617,6 +661,7 @@ class RunConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
+        _check(self.seed >= 0, "seed", self.seed, ">= 0")
         _check(self.workers >= 1, "workers", self.workers, ">= 1")
 
     def to_dict(self) -> dict[str, Any]:
@@ -659,11 +704,15 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 raise ValueError
             return int(value)
         if tp is float:
-            return float(value)
+            out = float(value)
+            if math.isfinite(out):
+                return out
         if tp is str:
             return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}={value!r} is invalid; allowed: a {tp.__name__}") from None
+    if tp is float:  # .inf / .nan from YAML: no field means them
+        raise ConfigError(f"{name}={value!r} is invalid; allowed: a finite number")
     return value
 
 
@@ -721,7 +770,15 @@ def load_config(
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist (see configs/ for examples)")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(
+                f"config file {str(p)!r} is not valid YAML{where}: {problem}"
+            ) from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
         data = loaded

@@ -18,7 +18,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pipeline import launcher
-from pipeline.run import DONE_KEY, Run
+from pipeline.config import ConfigError
+from pipeline.run import CONFIG_KEY, DONE_KEY, Run
 from pipeline.tasks.mix import build_splits
 
 
@@ -26,7 +27,12 @@ def write_data(run: Run) -> tuple[int, int]:
     """Generate the train/held-out problem sets (skipped if already there)."""
     if run.has_problems("train") and run.has_problems("eval"):
         return len(run.read_problems("train")), len(run.read_problems("eval"))
-    train, held_out = build_splits(run.config.task)
+    try:
+        train, held_out = build_splits(run.config.task)
+    except ValueError as err:  # a task option its family cannot generate
+        if run.store.list("") == [CONFIG_KEY]:  # just created: leave nothing behind
+            run.store.delete(CONFIG_KEY)
+        raise ConfigError(f"{err}; run {run.url} was not created") from None
     run.write_problems("eval", held_out)
     run.write_problems("train", train)
     return len(train), len(held_out)

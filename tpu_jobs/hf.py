@@ -936,4 +936,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.entrypoint import run_main
+
+    sys.exit(run_main("hf", main))

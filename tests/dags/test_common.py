@@ -26,14 +26,11 @@ TINY = {"config_file": "configs/tiny.yaml", "storage_root": "runs"}
 
 
 @pytest.fixture
-def two_families(tmp_path):
-    """A config file of its own (configs/*.yaml are edited by others)."""
-    path = tmp_path / "two.yaml"
-    path.write_text(
-        "task:\n  families: [arithmetic, countdown]\n  weights: [0.75, 0.25]\n"
-        "trainer:\n  steps: 4\n"
-    )
-    return {"config_file": str(path), "storage_root": "runs"}
+def two_families():
+    """A shipped config with two families (a config file must lie inside the project)."""
+    cfg = load_config(ROOT / "configs/demo_judge.yaml")
+    assert cfg.task.families == ("arithmetic", "countdown") and cfg.task.weights == (0.75, 0.25)
+    return {"config_file": "configs/demo_judge.yaml", "storage_root": "runs"}
 
 
 def test_constants_match_the_code_they_mirror():
@@ -88,7 +85,12 @@ def test_run_urls():
     assert run_url_for(
         {"run_id": "", "storage_root": "runs"}, "manual__2026-01-05T10:00:00+00:00"
     ) == (f"{ROOT}/runs/airflow-manual__2026-01-05T10-00-00-00-00")
-    assert run_url_for({"run_id": "/abs/run", "storage_root": "runs"}, "x") == "/abs/run"
+    assert run_url_for({"run_id": "r1", "storage_root": "/abs/runs"}, "x") == "/abs/runs/r1"
+    for bad in ({"run_id": "/abs/run"}, {"run_id": ".."}, {"storage_root": "runs/../../etc"}):
+        with pytest.raises(ConfigError, match="is invalid; allowed"):
+            run_url_for({"run_id": "r1", "storage_root": "runs", **bad}, "x")
+    with pytest.raises(ConfigError, match="config_file"):
+        config_from_params({**TINY, "config_file": "/etc/passwd.yaml"})
     assert resolve_root("/tmp/x/") == "/tmp/x"
     assert worker_ids(2) == ["worker0", "worker1"]
 

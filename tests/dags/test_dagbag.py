@@ -130,6 +130,12 @@ def test_params_have_types_descriptions_and_validate(dagbag):
         {"model_preset": "huge"},
         {"algorithm": "ppo-ish"},
         {"run_id": "has space"},
+        {"run_id": ".."},
+        {"run_id": "../outside"},
+        {"run_id": "/abs/dir"},
+        {"storage_root": "runs/../.."},
+        {"config_file": "/etc/passwd"},
+        {"config_file": "../configs/demo.yaml"},
         {"overrides": ["not an override"]},
     ):
         with pytest.raises(ParamValidationError):

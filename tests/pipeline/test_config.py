@@ -91,3 +91,138 @@ def test_digest_changes_with_any_field():
 
 def test_parse_overrides_nested():
     assert parse_overrides(["a.b=1", "a.c=x", "d=2.5"]) == {"a": {"b": 1, "c": "x"}, "d": 2.5}
+
+
+# Every numeric field with one value outside its range (the probe's finding 4: vocab_size=10,
+# rope_theta=-1, lr=.inf, negative weight decay and warm-up, eval.batch_size=0,
+# poll_seconds=-1, lease_seconds=.inf were all accepted). A field added without an entry
+# here fails `test_every_numeric_field_has_a_bad_value_in_the_table`.
+BAD_VALUES = {
+    "seed": -1,
+    "workers": 0,
+    "model.vocab_size": 10,  # below the char tokenizer's 56 ids
+    "model.hidden_size": -8,
+    "model.num_layers": -1,
+    "model.num_heads": -4,
+    "model.num_kv_heads": 3,  # not a divisor of num_heads=4
+    "model.head_dim": -2,
+    "model.intermediate_size": -64,
+    "model.rope_theta": -1,
+    "model.rms_norm_eps": 0,
+    "model.max_seq_len": 0,
+    "task.seed": -3,
+    "task.num_train": 0,
+    "task.num_eval": 0,
+    "task.min_digits": 0,
+    "task.max_digits": 0,  # below min_digits
+    "task.countdown_numbers": 9,
+    "task.weights": "[-1, 1]",
+    "sft.steps": -1,
+    "sft.batch_size": 0,
+    "sft.lr": ".inf",
+    "sft.warmup_steps": -1,
+    "sft.weight_decay": -0.1,
+    "sft.target_loss": ".nan",
+    "sft.check_every": 0,
+    "sft.carry_drop_prob": 1.0,
+    "sft.countdown_error_prob": -0.5,
+    "sft.judge_fraction": 2,
+    "sampler.temperature": -1,
+    "sampler.top_k": -1,
+    "sampler.top_p": 0,
+    "sampler.max_new_tokens": 0,
+    "trainer.steps": -1,
+    "trainer.lr": ".inf",
+    "trainer.warmup_steps": -5,
+    "trainer.weight_decay": -0.01,
+    "trainer.grad_clip": 0,
+    "trainer.clip_eps": 1.5,
+    "trainer.eps_low": 2,
+    "trainer.eps_high": -1,
+    "trainer.dual_clip": 0.5,
+    "trainer.kl_coef": -1,
+    "trainer.reward_kl_coef": -1,
+    "trainer.entropy_coef": -1,
+    "trainer.adv_eps": 0,
+    "trainer.gamma": 2,
+    "trainer.lam": -0.1,
+    "trainer.max_len": -1,
+    "trainer.vf_coef": -1,
+    "trainer.value_clip": 0,
+    "trainer.is_cap": 0.5,
+    "trainer.mini_batches": 0,
+    "trainer.epochs": 0,
+    "trainer.value_lr_mult": 0,
+    "trainer.dynamic_sampling_rounds": 0,
+    "trainer.overlong_buffer": -1,
+    "trainer.publish_every": 0,
+    "trainer.checkpoint_every": 0,
+    "trainer.keep_checkpoints": 0,
+    "trainer.keep_versions": -1,
+    "trainer.max_staleness": -1,
+    "trainer.micro_batch": -1,
+    "trainer.max_consecutive_failures": 0,
+    "rollout.prompts_per_batch": 0,
+    "rollout.group_size": 0,
+    "rollout.lease_seconds": ".inf",
+    "rollout.poll_seconds": -1,
+    "rollout.judge_fraction": 1.0,
+    "eval.num_problems": 0,
+    "eval.num_samples": 0,
+    "eval.ks": "[0]",
+    "eval.temperature": -1,
+    "eval.bootstrap": 0,
+    "eval.batch_size": 0,
+    "eval.every": 0,
+    "eval.orm_steps": -1,
+    "eval.orm_batch_size": 0,
+    "eval.orm_lr": 0,
+    "eval.orm_holdout": 1.0,
+    "mesh.trainer": "[0, 1, 1]",
+    "mesh.sampler": "[1, 1, 1, 1]",
+}
+
+
+@pytest.mark.parametrize("dotted", sorted(BAD_VALUES))
+def test_each_numeric_field_refuses_a_value_outside_its_range(dotted):
+    field = dotted.rsplit(".", 1)[-1]
+    with pytest.raises(ConfigError, match=rf"{field}") as err:
+        load_config(ROOT / "configs/tiny.yaml", [f"{dotted}={BAD_VALUES[dotted]}"])
+    assert "allowed" in str(err.value)
+
+
+def _numeric_fields(cls, prefix=""):
+    import dataclasses
+    import typing
+
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _numeric_fields(tp, f"{prefix}{f.name}.")
+            continue
+        args = {a for a in typing.get_args(tp) if a is not type(None)} | {tp}
+        flat = {x for a in args for x in (typing.get_args(a) or (a,))}
+        if flat & {int, float} and bool not in flat:
+            yield prefix + f.name
+
+
+def test_every_numeric_field_has_a_bad_value_in_the_table():
+    missing = sorted(set(_numeric_fields(RunConfig)) - set(BAD_VALUES))
+    assert not missing, f"add a bad value for {missing} to BAD_VALUES (and a range check)"
+
+
+def test_infinities_and_nans_are_refused_in_any_float_field():
+    for text in (".inf", "-.inf", ".nan", "inf"):
+        with pytest.raises(ConfigError, match="allowed: a finite number"):
+            load_config(ROOT / "configs/tiny.yaml", [f"trainer.lr={text}"])
+
+
+def test_a_failed_init_leaves_nothing_behind(tmp_path):
+    """task.max_digits=30 passed the config but failed while the data was generated,
+    leaving config.json behind, so a retry with a fixed config was refused."""
+    from pipeline.cli import main
+
+    url = str(tmp_path / "run")
+    assert main(["init", "--run", url, "--config", "configs/tiny.yaml", "task.max_digits=30"])
+    assert not (tmp_path / "run" / "config.json").exists()
+    assert main(["init", "--run", url, "--config", "configs/tiny.yaml"]) == 0
