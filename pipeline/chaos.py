@@ -128,6 +128,7 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
     procs = {n: _start(run, n) for n in names}
     t0 = time.time()
     next_kill = t0 + rng.uniform(s.min_interval_s, s.max_interval_s)
+    next_aim = t0
     try:
         while True:
             if time.time() - t0 > s.timeout_s:
@@ -144,8 +145,14 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
             total_kills = sum(stats.kills.values())
             live = [n for n, p in procs.items() if p.poll() is None]
             victim = None
-            if not done and total_kills < s.kills and live and time.time() >= next_kill:
-                victim = _aimed_victim(run, stats, live) or rng.choice(live)
+            if not done and total_kills < s.kills and live and time.time() >= next_aim:
+                # The aimed kills first, the moment their chance comes; random ones only
+                # with kills to spare for the aimed ones still to come.
+                next_aim = time.time() + 0.25
+                victim = _aimed_victim(run, stats, live)
+                spare = s.kills - total_kills - _aimed_missing(stats)
+                if victim is None and spare > 0 and time.time() >= next_kill:
+                    victim = rng.choice(live)
             if victim is not None:
                 if victim == "trainer":
                     stats.trainer_killed_after_checkpoint += _has_verified_checkpoint(run)
@@ -178,15 +185,22 @@ def _has_verified_checkpoint(run: Run) -> bool:
     return bool(run.store.list(f"{CHECKPOINT_MANIFESTS}/"))
 
 
+def _aimed_missing(stats: ChaosStats) -> int:
+    return int(not stats.trainer_killed_after_checkpoint) + int(
+        not stats.workers_killed_holding_lease
+    )
+
+
 def _aimed_victim(run: Run, stats: ChaosStats, live: list[str]) -> str | None:
-    """The kills a conclusive run needs, as soon as their moment comes: the trainer once it
-    has a verified checkpoint, then a worker while it holds a lease (mid-batch)."""
-    if not stats.trainer_killed_after_checkpoint and "trainer" in live:
-        return "trainer" if _has_verified_checkpoint(run) else None
+    """A kill a conclusive run still needs, if its moment has come: a worker while it holds
+    a lease (mid-batch), the trainer once it has a verified checkpoint (its restart then
+    restores it)."""
     if not stats.workers_killed_holding_lease:
         holders = {le.worker_id for le in _live_leases(run)} & set(live)
-        return min(holders) if holders else None
-    return None
+        if holders:
+            return min(holders)
+    ready = "trainer" in live and _has_verified_checkpoint(run)
+    return "trainer" if not stats.trainer_killed_after_checkpoint and ready else None
 
 
 def _live_leases(run: Run):
