@@ -25,15 +25,33 @@ from tests.local_servers import free_port
 
 EMULATOR_BUCKET = "rlax-test"
 
-# Started first under pytest-xdist: its ~3 minutes are mostly Airflow scheduling latency,
-# which the other worker's files fill. Left to xdist's order (most tests first) it ran
-# last, alone, on idle cores. `make test` keeps this order (--no-loadscope-reorder).
-START_FIRST = ("tests/dags/test_airflow_e2e.py",)
+# The longest files first, longest first (seconds summed over their tests in a fresh-clone
+# `make test` on 2 cores), so that pytest-xdist's two workers end together: the tail is
+# then small files. Left to xdist's order (most tests first) the Airflow end-to-end file,
+# one test of ~3 minutes of mostly scheduling latency, ran last, alone, on idle cores.
+# `make test` keeps this order (--no-loadscope-reorder).
+START_FIRST = (
+    "tests/dags/test_airflow_e2e.py",  # 188 s
+    "tests/pipeline/test_gcs_run.py",  # 166 s
+    "tests/tpu_jobs/test_preemption.py",  # 123 s
+    "tests/tpu_jobs/test_sampler.py",  # 119 s
+    "tests/tpu_jobs/test_model.py",  # 96 s
+    "tests/tpu_jobs/test_mesh.py",  # 80 s
+    "tests/tpu_jobs/test_trainer.py",  # 75 s
+    "tests/tpu_jobs/test_losses.py",  # 56 s
+    "tests/tpu_jobs/test_multiprocess.py",  # 55 s
+    "tests/tpu_jobs/test_hf.py",  # 50 s
+    "tests/tpu_jobs/test_decode.py",  # 46 s
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A stable sort: every other file, and the tests inside a file, keep their order.
-    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] not in START_FIRST)
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return START_FIRST.index(path) if path in START_FIRST else len(START_FIRST)
+
+    items.sort(key=rank)
 
 
 # One persistent JAX compilation cache for the whole suite, this process and every job it
