@@ -1,15 +1,6 @@
 # `make demo` and `make test` each set up .venv from the lock file (uv, installed from
 # PyPI if missing), then run the demo or the tests.
 PYTHON ?= python3.11
-# Bytecode. PYTHONDONTWRITEBYTECODE is set on the project's machines, so Python never
-# cached bytecode and every process compiled JAX, Flax, Orbax and Airflow from source
-# again: importing jax took 3.0 s instead of 1.1 s, the trainer's imports 8.1 s instead of
-# 3.4 s, in each of the hundreds of job and task processes of the suite and the demo.
-# Here the commands write it, into .cache/pycache (PYTHONPYCACHEPREFIX: nothing lands in
-# the source tree or the venv), as each module is first imported. Compiling all of
-# site-packages at install instead (uv sync --compile-bytecode: 24k files) took 45-56 s.
-export PYTHONDONTWRITEBYTECODE :=
-export PYTHONPYCACHEPREFIX := $(CURDIR)/.cache/pycache
 VENV := .venv
 UV := $(shell command -v uv 2>/dev/null)
 ifeq ($(UV),)
@@ -23,8 +14,13 @@ $(VENV)-uv/bin/uv:
 	$(PYTHON) -m venv $(VENV)-uv
 	$(VENV)-uv/bin/pip install --quiet uv
 
+# --compile-bytecode: with PYTHONDONTWRITEBYTECODE set (it is on the project's machines)
+# Python never caches bytecode, so every process compiled JAX, Flax, Orbax and Airflow from
+# source again: importing jax took 3.0 s instead of 1.1 s, the trainer's imports 8.1 s
+# instead of 3.4 s, in each of the hundreds of job and task processes of the suite and the
+# demo. Compiling site-packages once at install costs ~50 s on 2 cores.
 $(STAMP): pyproject.toml uv.lock | $(UV)
-	$(UV) sync --frozen --extra test --python $(PYTHON)
+	$(UV) sync --frozen --extra test --python $(PYTHON) --compile-bytecode
 	touch $(STAMP)
 
 # The demo as a run of the rlax_rl_training DAG: a project-local Airflow (standalone,
