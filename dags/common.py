@@ -369,7 +369,7 @@ def stream_command(
                     stopped.append(why)
     finally:
         if proc.poll() is None:
-            launcher.stop_group(proc, grace_s)
+            launcher.stop_group(proc.pid, grace_s, reap=proc)
         reader.join(10)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -227,18 +226,7 @@ class LocalAirflow:
         """SIGTERM the whole process group (scheduler, workers, API server...), then SIGKILL."""
         if self.proc is None:
             return
-        pgid = self.proc.pid
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _group_alive(pgid):
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(0.5)
-            if not _group_alive(pgid):
-                break
+        launcher.stop_group(self.proc.pid, timeout, reap=self.proc)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
         self.proc = None
@@ -397,16 +385,6 @@ class LocalAirflow:
 
 def _q(text: str) -> str:
     return urllib.parse.quote(text, safe="")
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ------------------------------------------------------------------ progress

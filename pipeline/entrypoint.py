@@ -6,6 +6,7 @@ traceback instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -21,18 +22,14 @@ DEBUG_ENV = "RLAX_DEBUG"
 def _transport_errors() -> tuple[type[BaseException], ...]:
     """Network failures of the storage clients (imported lazily: they are heavy)."""
     found: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    try:
+    with contextlib.suppress(ImportError):
         import requests
 
         found.append(requests.exceptions.RequestException)
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         from google.api_core import exceptions as gexc
 
         found.append(gexc.GoogleAPIError)
-    except ImportError:
-        pass
     return tuple(found)
 
 

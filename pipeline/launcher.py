@@ -16,11 +16,13 @@ SIGHUP to the parent are forwarded to the child's group.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -107,37 +109,32 @@ def with_parent_death_signal(cmd: Sequence[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
 
 
-# The watchdog sidecar (python -I -S: ~10 ms to start): SIGTERM when its parent (the one
-# that spawned the child) dies; then it stops the child's group, SIGTERM and after a grace
-# SIGKILL. It exits by itself once the group is gone.
-_WATCHDOG = """
-import ctypes, os, signal, sys, time
-group, grace, parent = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-def alive():
-    try:
-        os.killpg(group, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-def stop(*_):
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(group, sig)
-        except ProcessLookupError:
-            break
-        end = time.monotonic() + wait
-        while alive() and time.monotonic() < end:
-            time.sleep(0.2)
-    os._exit(0)
-signal.signal(signal.SIGTERM, stop)
-ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-if os.getppid() != parent:
-    stop()
-while alive():
-    time.sleep(1.0)
-"""
+# The watchdog sidecar: this module run by `python -I -S` (no site-packages: ~30 ms to
+# start) with the project on its path; `watch` does the rest.
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
+_WATCHDOG = (
+    "import sys\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "from pipeline.launcher import watch\n"
+    "watch(int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))\n"
+)
+
+
+def watch(group: int, grace_s: float, parent: int) -> None:
+    """The watchdog's body: SIGTERM when `parent` (the process that spawned the child)
+    dies; then stop the child's `group` (`stop_group`). Exits by itself once the group is
+    gone."""
+
+    def stop(*_: Any) -> None:
+        stop_group(group, grace_s)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the prctl
+        stop()
+    while group_alive(group):
+        time.sleep(1.0)
 
 
 def spawn(
@@ -166,8 +163,8 @@ def spawn(
     )
     if watchdog:
         subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(proc.pid), str(grace_s)]
-            + [str(os.getpid())],
+            [sys.executable, "-I", "-S", "-c", _WATCHDOG, _PROJECT_ROOT]
+            + [str(proc.pid), str(grace_s), str(os.getpid())],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -176,18 +173,35 @@ def spawn(
     return proc
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the child's process group (the trainer checkpoints on it), then SIGKILL."""
+def group_alive(pgid: int) -> bool:
+    """Some process of group `pgid` exists (a leader not yet reaped counts)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(pgid: int, grace_s: float, reap: subprocess.Popen | None = None) -> None:
+    """SIGTERM process group `pgid` (the trainer checkpoints on it), wait up to `grace_s`
+    for all of it to be gone, then SIGKILL it. `reap`: the group leader when it is our
+    child (reaped while waiting: an unreaped leader keeps the group in the process table)."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(pgid, sig)
         except ProcessLookupError:
             return
-        try:
-            proc.wait(wait)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and group_alive(pgid):
+            if reap is None:
+                time.sleep(0.2)
+            else:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    reap.wait(0.2)
+        if not group_alive(pgid):
             return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def exit_status(returncode: int) -> int:
@@ -213,7 +227,7 @@ def run_supervised(cmd: Sequence[str], env: dict[str, str], grace_s: float = 60.
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if proc.poll() is None:  # we are leaving by an exception: take the job with us
-            stop_group(proc, grace_s)
+            stop_group(proc.pid, grace_s, reap=proc)
 
 
 def start(

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from pipeline.airflow_local import RL_DAG_ID, AirflowError, LocalAirflow
+from pipeline.run import CHECKPOINT_MANIFESTS
 
 STEPS_PREEMPT = 16
 
@@ -58,7 +59,7 @@ def _trainer_process(run_dir: Path) -> psutil.Process | None:
 def _committed_checkpoints(run_dir: Path) -> list[int]:
     """Steps the trainer can resume from: committed by Orbax and verified by a content
     manifest (tpu_jobs/checkpoints.py; a step without one is refused on restore)."""
-    ckpt, manifests = run_dir / "checkpoints", run_dir / "checkpoint_manifests"
+    ckpt, manifests = run_dir / "checkpoints", run_dir / CHECKPOINT_MANIFESTS
     if not ckpt.is_dir() or not manifests.is_dir():
         return []
     verified = {int(p.stem) for p in manifests.glob("*.json")}
