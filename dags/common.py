@@ -35,6 +35,7 @@ from typing import Any
 
 from pipeline import launcher
 from pipeline.config import ALGORITHMS, MODEL_PRESETS, ConfigError, RunConfig, load_config
+from pipeline.storage import safe_name
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,11 +96,6 @@ def resolve_root(root: str) -> str:
         return root.rstrip("/")
     path = Path(root).expanduser()
     return str(path if path.is_absolute() else PROJECT_ROOT / path)
-
-
-def safe_name(text: str) -> str:
-    """`manual__2026-01-05T10:00:00+00:00` -> `manual__2026-01-05T10-00-00-00-00`."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.") or "run"
 
 
 # The path-like Params (JSON-schema patterns: the form refuses a bad value before the run

@@ -141,8 +141,10 @@ def check_rows(table: pa.Table, lim: BatchLimits) -> None:
 
 def _check_tokens(table: pa.Table, lim: BatchLimits) -> None:
     limits = {"prompt_ids": lim.max_prompt_tokens, "completion_ids": lim.max_completion_tokens}
+    lengths_of = {}
     for name, max_len in limits.items():
         values, rows, lengths = _lists(table, name)
+        lengths_of[name] = lengths
         wrong = (values < 0) | (values >= lim.vocab_size)
         if wrong.any():
             at = _first(wrong)
@@ -156,7 +158,7 @@ def _check_tokens(table: pa.Table, lim: BatchLimits) -> None:
             raise BadBatchError(f"row {row}: {name} has {lengths[row]} tokens; at most {max_len}")
         if name == "prompt_ids" and (lengths < 1).any():
             raise BadBatchError(f"row {_first(lengths < 1)}: prompt_ids is empty")
-    completion_len = _lists(table, "completion_ids")[2]
+    completion_len = lengths_of["completion_ids"]
     logp, logp_rows, logp_len = _lists(table, "behaviour_logprobs")
     wrong = logp_len != completion_len
     if wrong.any():

@@ -34,7 +34,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from pipeline.storage import LocalStore, ObjectNotFound, ObjectStore, StorageError
+from pipeline.storage import LocalStore, ObjectNotFound, ObjectStore, StorageError, safe_name
 
 __all__ = [
     "CorruptSnapshotError",
@@ -94,10 +94,6 @@ def _version_dir(version: int) -> str:
 
 def _manifest_key(version: int) -> str:
     return f"{_version_dir(version)}/{_MANIFEST}"
-
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:100] or "reader"
 
 
 def _crc32c(data: bytes) -> int:
@@ -528,7 +524,7 @@ class ParamServer:
         """A reader (a rollout worker) could not use ``version`` (missing or failing
         verification): leave a marker the trainer acts on (`refused`, `repair`)."""
         record = {"version": version, "reader": reader, "reason": reason, "time": time.time()}
-        key = f"{_REFUSED}/{_version_dir(version)}-{_safe(reader)}.json"
+        key = f"{_REFUSED}/{_version_dir(version)}-{safe_name(reader, 'reader')[:100]}.json"
         self._w.write_new(key, _dumps(record))
 
     def refused(self) -> dict[int, list[str]]:

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import stat
 import threading
@@ -106,6 +107,12 @@ def validate_key(key: str) -> str:
                 "reserved for the store's bookkeeping"
             )
     return key
+
+
+def safe_name(text: str, default: str = "run") -> str:
+    """`text` as one key segment of safe characters:
+    `manual__2026-01-05T10:00:00+00:00` -> `manual__2026-01-05T10-00-00-00-00`."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.") or default
 
 
 def _validate_prefix(prefix: str) -> str:

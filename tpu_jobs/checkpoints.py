@@ -98,10 +98,6 @@ def checkpoint_dir(run: Run) -> str:
     return f"{url}/checkpoints"
 
 
-def checkpoint_dir_of(store: ObjectStore) -> str:
-    return f"{store.url.rstrip('/')}/checkpoints"
-
-
 def _require_gcsfs(url: str) -> None:
     """Orbax does its gs:// directory I/O through etils.epath, whose backend is gcsfs
     (arrays go through TensorStore's own GCS driver)."""
@@ -206,13 +202,13 @@ class TrainerCheckpoints:
                     why = f"Orbax could not restore it ({type(err).__name__}: {err})"
             refused.append(f"step {step}: {why}")
             self.log(
-                f"[trainer] refused checkpoint {checkpoint_dir_of(self.store)}/{step}: {why}; "
+                f"[trainer] refused checkpoint {self.store.url_of(f'checkpoints/{step}')}: {why}; "
                 "trying the previous one"
             )
         if refused:
             raise CheckpointCorruptError(
                 "no checkpoint passed verification (" + "; ".join(refused) + "). Restore "
-                f"{checkpoint_dir_of(self.store)} from a copy, or delete it (and "
+                f"{self.store.url_of('checkpoints')} from a copy, or delete it (and "
                 f"{MANIFESTS}/) to start this run over from its base model"
             )
         return None
