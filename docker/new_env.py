@@ -1,4 +1,4 @@
-"""Write docker/.env with fresh random secrets for docker-compose.yml (once; never
+"""Write .env (beside docker-compose.yml, where compose reads it) with fresh random secrets for docker-compose.yml (once; never
 overwrites). The compose file has no defaults: it refuses to start without these.
 
     python docker/new_env.py
@@ -11,7 +11,7 @@ import secrets
 import sys
 from pathlib import Path
 
-ENV = Path(__file__).resolve().parent / ".env"
+ENV = Path(__file__).resolve().parents[1] / ".env"
 NAMES = {
     "AIRFLOW_JWT_SECRET": 64,  # signs the API's tokens
     "AIRFLOW_SECRET_KEY": 32,  # signs requests to the log servers

@@ -88,7 +88,7 @@ class Run:
             data = self.store.read(self.data_key(split))
         except ObjectNotFound:
             raise RunError(
-                f"run {self.url} has no {split} data yet; run `rlax data --run {self.url}`"
+                f"run {self.url} has no {split} data yet; run `rlax init --run {self.url}`"
             ) from None
         rows = pq.read_table(io.BytesIO(data)).to_pylist()
         return [Problem.from_dict({**r, "meta": json.loads(r["meta"])}) for r in rows]

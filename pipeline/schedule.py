@@ -14,7 +14,7 @@ def batch_problem_indices(
 ) -> np.ndarray:
     """Indices into the train set for batch `index`: consecutive slices of per-epoch permutations."""
     if num_problems <= 0:
-        raise ValueError("the train set is empty; generate data first (`rlax data`)")
+        raise ValueError("the train set is empty; generate data first (`rlax init --run URL`)")
     start = index * prompts_per_batch
     out = np.empty(prompts_per_batch, np.int64)
     for j in range(prompts_per_batch):

@@ -1,4 +1,4 @@
-"""docker/docker-compose.yml: validated by `docker compose config` where a Docker client
+"""docker-compose.yml (top level; the image is docker/Dockerfile): validated by `docker compose config` where a Docker client
 with the compose plugin exists; its structure is checked everywhere."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import yaml
 
 from tests.dags.conftest import ROOT
 
-COMPOSE = ROOT / "docker" / "docker-compose.yml"
+COMPOSE = ROOT / "docker-compose.yml"
 
 
 def _compose_cli() -> list[str] | None:
@@ -51,7 +51,7 @@ def test_compose_services_and_settings():
         assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql")
         assert env["AIRFLOW__CORE__DAGS_FOLDER"] == "/opt/rlax/dags"
         assert env["STORAGE_EMULATOR_HOST"] == "http://fake-gcs:4443"
-        assert "..:/opt/rlax" in svc["volumes"]  # the project, mounted
+        assert ".:/opt/rlax" in svc["volumes"]  # the project, mounted
         assert svc["build"]["dockerfile"] == "docker/Dockerfile"
     assert services["postgres"]["image"].startswith("postgres:")
     assert services["fake-gcs"]["image"].startswith("fsouza/fake-gcs-server")
