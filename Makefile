@@ -14,13 +14,16 @@ $(VENV)-uv/bin/uv:
 	$(PYTHON) -m venv $(VENV)-uv
 	$(VENV)-uv/bin/pip install --quiet uv
 
-# --compile-bytecode: with PYTHONDONTWRITEBYTECODE set (it is on the project's machines)
-# Python never caches bytecode, so every process compiled JAX, Flax, Orbax and Airflow from
-# source again: importing jax took 3.0 s instead of 1.1 s, the trainer's imports 8.1 s
-# instead of 3.4 s, in each of the hundreds of job and task processes of the suite and the
-# demo. Compiling site-packages once at install costs ~50 s on 2 cores.
+# Bytecode: with PYTHONDONTWRITEBYTECODE set (it is on the project's machines) Python never
+# caches bytecode, so every process compiled JAX, Flax, Orbax and Airflow from source again
+# (importing jax took 3.0 s instead of 1.1 s, the trainer's imports 8.1 s instead of 3.4 s)
+# in each of the hundreds of job and task processes of the suite and the demo. uv's
+# --compile-bytecode fixed that but compiled all of site-packages (torch, scipy, pyarrow...)
+# at 66 s of the 67 s install. Instead the make targets let Python cache what is actually
+# imported, on first import (an empty value counts as unset): ~12 s, paid once.
+export PYTHONDONTWRITEBYTECODE :=
 $(STAMP): pyproject.toml uv.lock | $(UV)
-	$(UV) sync --frozen --extra test --python $(PYTHON) --compile-bytecode
+	$(UV) sync --frozen --extra test --python $(PYTHON)
 	touch $(STAMP)
 
 # The demo as a run of the rlax_rl_training DAG: a project-local Airflow (standalone,
