@@ -21,7 +21,9 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, get_current_context, task
 
-from dags.common import DEFAULT_ARGS, JobFailed, curate_command, resolve_root, stream_command
+from dags.params import resolve_root
+from dags.stage import DEFAULT_ARGS, run_command
+from pipeline.launcher import JobFailed, curate_command
 
 _GLOBS = {"type": "string", "minLength": 1}
 
@@ -125,7 +127,7 @@ def rlax_curation():
             beam_args=p["beam_args"],
         )
         try:
-            stream_command(cmd, name="curate")
+            run_command(cmd, name="curate")
         except JobFailed as err:
             if err.returncode == 2:  # bad arguments: the same on every try
                 raise AirflowFailException(str(err)) from err

@@ -29,17 +29,9 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, get_current_context, task
 
-from dags.common import (
-    DEFAULT_ARGS,
-    MAX_WORKERS,
-    add_rl_stage,
-    curate_command,
-    glob_has_matches,
-    local_path,
-    resolve_root,
-    stream_command,
-)
-from dags.lineage import (
+from dags.params import MAX_WORKERS, glob_has_matches, resolve_root
+from dags.stage import DEFAULT_ARGS, add_rl_stage, run_command
+from pipeline.lineage import (
     LineageError,
     child_url,
     default_retrain_root,
@@ -134,8 +126,9 @@ def rlax_retraining():
         """Curate the logical date's new data into the child run; skip if there is none."""
         from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-        from dags.common import JobFailed
-        from pipeline.run import Run, RunError
+        from pipeline import launcher
+        from pipeline.launcher import JobFailed
+        from pipeline.run import CURATED_PREFIX, Run, RunError
 
         ds, parent_url, root = _where()
         params = get_current_context()["params"]
@@ -155,14 +148,14 @@ def rlax_retraining():
             parent = Run.open(parent_url)
         except RunError as err:
             raise AirflowFailException(str(err)) from err
-        cmd = curate_command(
+        cmd = launcher.curate_command(
             [source],
-            local_path(url) + "/curated",
+            f"{url}/{CURATED_PREFIX}",
             eval_sets=[eval_set_url(parent)],
             options={"schema": params["source_schema"], "seed": parent.config.seed},
         )
         try:
-            stream_command(cmd, name="curate")
+            run_command(cmd, name="curate")
         except JobFailed as err:
             if err.returncode == 2:  # bad arguments, or the date's output holds other inputs
                 raise AirflowFailException(str(err)) from err

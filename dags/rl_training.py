@@ -29,20 +29,8 @@ from datetime import datetime
 
 from airflow.sdk import dag, get_current_context, task
 
-from dags.common import (
-    DEFAULT_ARGS,
-    add_rl_stage,
-    config_from_params,
-    curate_command,
-    hf_model_overrides,
-    local_path,
-    rl_params,
-    run_role,
-    run_url_for,
-    stream_command,
-    worker_ids,
-    write_curated_data,
-)
+from dags.params import config_from_params, rl_params, run_url_for
+from dags.stage import DEFAULT_ARGS, add_rl_stage, run_command, run_role
 from pipeline import launcher
 
 
@@ -64,34 +52,32 @@ def rlax_rl_training():
         from airflow.sdk.exceptions import AirflowFailException
 
         from pipeline.config import ConfigError
-        from pipeline.run import Run, RunError
+        from pipeline.data_job import BAD_INPUT
+        from pipeline.launcher import JobFailed
+        from pipeline.run import CURATED_PREFIX, Run, RunError
 
         ctx = get_current_context()
         params = ctx["params"]
         url = run_url_for(params, ctx["run_id"])
         try:
             hf = params.get("hf_checkpoint")
-            cfg = config_from_params(params, hf_model_overrides(hf) if hf else ())
+            cfg = config_from_params(params, launcher.hf_model_overrides(hf) if hf else ())
             run = Run.create(url, cfg)
         except (ConfigError, RunError, ValueError) as err:  # a retry would fail the same way
             raise AirflowFailException(str(err)) from err
         print(f"[airflow] run {url} (config digest {cfg.digest()})")
         source = params.get("source_data")
-        if source:
-            if not (run.has_problems("train") and run.has_problems("eval")):
-                out = local_path(run.store.url) + "/curated"
-                stream_command(
-                    curate_command([source], out, options={"seed": cfg.seed}), name="curate"
-                )
-            try:
-                n_train, n_eval = write_curated_data(run)
-            except ValueError as err:
+        if source and not (run.has_problems("train") and run.has_problems("eval")):
+            out = run.store.url_of(CURATED_PREFIX)
+            run_command(
+                launcher.curate_command([source], out, options={"seed": cfg.seed}), name="curate"
+            )
+        try:
+            run_role("data", url, ("--curated",) if source else ())
+        except JobFailed as err:
+            if err.returncode == BAD_INPUT:  # curated data this run cannot verify, ...
                 raise AirflowFailException(str(err)) from err
-        else:
-            from pipeline.demo import write_data
-
-            n_train, n_eval = write_data(run)
-        print(f"[airflow] {n_train} training and {n_eval} held-out problems")
+            raise
         return url
 
     @task(task_id="bootstrap")
@@ -102,13 +88,10 @@ def rlax_rl_training():
         run = Run.open(run_url)
         hf = get_current_context()["params"].get("hf_checkpoint")
         if hf:
-            stream_command(
-                launcher.module_command("tpu_jobs.hf", ["import", hf, "--run", run_url]),
-                name="hf-import",
-            )
+            run_command(launcher.hf_import_command(hf, run_url), name="hf-import")
         else:
             run_role("sft", run_url)
-        return worker_ids(run.config.workers)  # the rollout workers to map over
+        return launcher.worker_ids(run.config.workers)  # the rollout workers to map over
 
     run_url = curate()
     add_rl_stage(run_url, bootstrap(run_url))

@@ -18,11 +18,9 @@ from __future__ import annotations
 import json
 import random
 import signal
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +28,7 @@ import numpy as np
 from pipeline import launcher
 from pipeline.config import RunConfig
 from pipeline.paramserver import ParamServer
-from pipeline.run import CHECKPOINT_MANIFESTS, DONE_KEY, Run
+from pipeline.run import BASE_PREFIX, CHECKPOINT_MANIFESTS, DATA_PREFIX, DONE_KEY, Run
 
 
 @dataclass(frozen=True)
@@ -79,43 +77,43 @@ def _copy_prefix(src: Run, dst: Run, prefix: str) -> None:
 
 def prepare(root: str, cfg: RunConfig) -> tuple[Run, Run]:
     """Reference and chaos runs sharing data and one SFT base model."""
-    from pipeline.demo import write_data
+    from pipeline.problem_sets import write_data
 
     ref = Run.create(f"{root.rstrip('/')}/reference", cfg)
     chaos = Run.create(f"{root.rstrip('/')}/chaos", cfg)
     write_data(ref)
-    if not ref.store.list("base/"):
+    if not ref.store.list(f"{BASE_PREFIX}/"):
         code = launcher.run_job("sft", ref.url)
         if code != 0:
             raise RuntimeError(f"SFT bootstrap of {ref.url} failed with exit code {code}")
-    for prefix in ("data/", "base/"):
+    for prefix in (f"{DATA_PREFIX}/", f"{BASE_PREFIX}/"):
         _copy_prefix(ref, chaos, prefix)
     return ref, chaos
 
 
-def _logs(run: Run) -> Path:
-    from pipeline.demo import log_dir
-
-    return log_dir(run)
-
-
-def _start(run: Run, name: str) -> subprocess.Popen:
+def _start(fleet: launcher.Fleet, name: str) -> None:
     role, extra = ("train", ()) if name == "trainer" else ("rollout", ("--worker-id", name))
-    return launcher.start(role, run.url, extra, log_path=_logs(run) / f"{name}.log")
+    fleet.start(name, role, extra)
+
+
+def _names(workers: int) -> list[str]:
+    return ["trainer", *launcher.worker_ids(workers)]
 
 
 def run_uninterrupted(run: Run, workers: int, timeout_s: float) -> float:
     t0 = time.time()
-    procs = {n: _start(run, n) for n in ["trainer", *[f"worker{i}" for i in range(workers)]]}
+    fleet = launcher.Fleet(run.url)
+    for name in _names(workers):
+        _start(fleet, name)
     try:
-        for name, p in procs.items():
-            code = p.wait(max(1.0, timeout_s - (time.time() - t0)))
-            if code != 0:
-                raise RuntimeError(f"{name} of the reference run exited with {code}")
+        while any(fleet.alive(n) for n in fleet.procs):
+            fleet.check()
+            if time.time() - t0 > timeout_s:
+                raise TimeoutError(f"the reference run did not finish within {timeout_s}s")
+            time.sleep(0.5)
+        fleet.check()
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+        fleet.stop()
     return time.time() - t0
 
 
@@ -124,8 +122,11 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
     stats = ChaosStats()
     monitor = _LatestMonitor(ParamServer(run.store), stats.latest_history)
     monitor.start()
-    names = ["trainer", *[f"worker{i}" for i in range(s.workers)]]
-    procs = {n: _start(run, n) for n in names}
+    names = _names(s.workers)
+    fleet = launcher.Fleet(run.url)
+    for name in names:
+        _start(fleet, name)
+    procs = fleet.procs
     t0 = time.time()
     next_kill = t0 + rng.uniform(s.min_interval_s, s.max_interval_s)
     next_aim = t0
@@ -134,11 +135,7 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
             if time.time() - t0 > s.timeout_s:
                 raise TimeoutError(f"chaos run did not finish within {s.timeout_s}s")
             finished = {n for n, p in procs.items() if p.poll() == 0}
-            for n, p in procs.items():
-                code = p.poll()
-                if code not in (None, 0, -signal.SIGKILL):
-                    tail = (_logs(run) / f"{n}.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"{n} failed with exit code {code}:\n{tail}")
+            fleet.check(tolerated=(-signal.SIGKILL,))  # our own kills
             if "trainer" in finished and finished >= set(names):
                 break
             done = run.store.exists(DONE_KEY)
@@ -167,7 +164,7 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
                     f"t={time.time() - t0:.1f}s (LATEST v{_latest(run)})"
                 )
                 time.sleep(s.restart_delay_s)
-                procs[victim] = _start(run, victim)
+                _start(fleet, victim)
                 stats.restarts += 1
                 next_kill = time.time() + rng.uniform(s.min_interval_s, s.max_interval_s)
             time.sleep(0.05)
@@ -241,7 +238,7 @@ def account(run: Run, stats: ChaosStats) -> dict[str, Any]:
         if a["committed"]:
             commits_per_index[a["batch_index"]] = commits_per_index.get(a["batch_index"], 0) + 1
     consumed = sorted(r["batch_index"] for r in run.read_metrics("train"))
-    trainer_log = (_logs(run) / "trainer.log").read_text(errors="replace")
+    trainer_log = launcher.Fleet(run.url).log_path("trainer").read_text(errors="replace")
     step_lines = trainer_log.count("[trainer] step ")
     history = stats.latest_history
     out = {

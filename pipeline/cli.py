@@ -74,7 +74,7 @@ def cmd_airflow(args: argparse.Namespace) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from pipeline.demo import write_data
+    from pipeline.problem_sets import write_data
     from pipeline.run import Run
 
     run = Run.create(args.run, _config(args))
@@ -116,18 +116,14 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
     """Publish a Hugging Face checkpoint as the base model (version 0 source) of a run."""
-    cmd = launcher.module_command("tpu_jobs.hf", ["import", args.path, "--run", args.run])
+    cmd = launcher.hf_import_command(args.path, args.run)
     if args.config:
         cmd += ["--config", args.config]
     return launcher.run_supervised(cmd + list(args.overrides), launcher.job_env())
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from pipeline.report import build_report
-    from pipeline.run import Run
-
-    print(build_report(Run.open(args.run)))
-    return 0
+    return launcher.run_job("report", args.run)
 
 
 def cmd_tensorboard(args: argparse.Namespace) -> int:

@@ -69,7 +69,7 @@ class ModelConfig:
     dtype: str = "float32"  # activation/compute dtype; params stay float32
     # Text <-> ids for every role: "char" (pipeline.tokenizer.CharTokenizer) or "hf" (the
     # tokenizer.json imported with the run's base, `rlax import-hf`; chat template applied
-    # to prompts when it has one). `tpu_jobs.hf.run_tokenizer(run)` returns it.
+    # to prompts when it has one). `tpu_jobs.hf_tokenizer.run_tokenizer(run)` returns it.
     tokenizer: str = "char"
 
     def __post_init__(self) -> None:

@@ -24,13 +24,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
+from pipeline.layout import ROLLOUTS_PREFIX
 from pipeline.storage import ObjectNotFound, ObjectStore
 
 __all__ = ["BatchLeases", "Lease", "LeaseLostError"]
 
 log = logging.getLogger(__name__)
 
-_ROLLOUTS = "rollouts"
 _QUARANTINE = "quarantine"
 _MAX_QUARANTINE = 1000  # the layout has 3 digits
 _KEY_RE = re.compile(r"^b(\d{8})\.(parquet|lease)$")
@@ -98,7 +98,7 @@ class BatchLeases:
         if ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds must be positive, got {ttl_seconds}")
         self.store = store
-        self._r = store.child(_ROLLOUTS)
+        self._r = store.child(ROLLOUTS_PREFIX)
         self.ttl_seconds = ttl_seconds
         self.clock = clock
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from pipeline.run import Run
+from pipeline.run import REPORT_PREFIX, Run
+
+REPORT_KEY = f"{REPORT_PREFIX}/report.md"
 
 
 def _put(run: Run, key: str, data: bytes) -> None:
@@ -345,7 +347,7 @@ def build_report(run: Run) -> str:
     else:
         lines.append("No version has been evaluated yet: `rlax eval --run RUN`.")
     lines += ["", "![curves](curves.png)", ""]
-    pngs = {"report/curves.png": plot_curves(train, evals)}
+    pngs = {f"{REPORT_PREFIX}/curves.png": plot_curves(train, evals)}
     streams = eval_streams(run)
     if evals or streams:
         last_version = max(
@@ -353,22 +355,22 @@ def build_report(run: Run) -> str:
         )
         rich = richest_record(streams, last_version)
         lines += _k_section(rich)
-        pngs["report/metrics_vs_k.png"] = plot_metrics_vs_k(rich)
+        pngs[f"{REPORT_PREFIX}/metrics_vs_k.png"] = plot_metrics_vs_k(rich)
         lines += ["", "![metrics against k](metrics_vs_k.png)", ""]
         if rich.get("judge"):
             lines += _bucket_section(rich)
-            pngs["report/judge_buckets.png"] = plot_judge_buckets(rich)
+            pngs[f"{REPORT_PREFIX}/judge_buckets.png"] = plot_judge_buckets(rich)
             lines += ["", "![judgment by difficulty](judge_buckets.png)", ""]
         if any("judge_accuracy" in e["metrics"] for e in evals):
             lines += _coevolution_section(evals)
-            pngs["report/judge_vs_pass.png"] = plot_judge_vs_pass(evals)
+            pngs[f"{REPORT_PREFIX}/judge_vs_pass.png"] = plot_judge_vs_pass(evals)
             lines += ["", "![judge accuracy vs pass@1](judge_vs_pass.png)", ""]
     lines += _orm_section(run)
     lines += _glossary(evals, streams)
     md = "\n".join(lines)
     for key, data in pngs.items():
         _put(run, key, data)
-    _put(run, "report/report.md", md.encode())
+    _put(run, REPORT_KEY, md.encode())
     _refresh_tensorboard(run)
     return md
 
@@ -485,3 +487,32 @@ def _refresh_tensorboard(run: Run) -> None:
         export(run, logdir, log=lambda m: None)
     except ImportError as err:  # tensorboardX missing: the report itself is still complete
         print(f"[report] TensorBoard export skipped: {err}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from pipeline.run import DONE_KEY
+
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.report", description="Write a run's report/report.md and plots."
+    )
+    parser.add_argument("--run", required=True, help="run URL (directory or gs://...)")
+    parser.add_argument(
+        "--keep-existing",
+        action="store_true",
+        help="leave a finished run's report as it is (it was written after its evaluation)",
+    )
+    args = parser.parse_args(argv)
+    run = Run.open(args.run)
+    where = run.store.url_of(REPORT_KEY)
+    if args.keep_existing and run.store.exists(DONE_KEY) and run.store.exists(REPORT_KEY):
+        print(f"[report] already written: {where}")
+        return 0
+    print(build_report(run), flush=True)
+    print(f"[report] {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

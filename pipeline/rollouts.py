@@ -24,6 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.layout import ROLLOUTS_PREFIX
+
 SCHEMA = pa.schema(
     [
         ("batch_index", pa.int64()),
@@ -91,7 +93,7 @@ class RolloutBatch:
 
 
 def batch_key(index: int) -> str:
-    return f"rollouts/b{index:08d}.parquet"
+    return f"{ROLLOUTS_PREFIX}/b{index:08d}.parquet"
 
 
 def to_parquet_bytes(batch: RolloutBatch) -> bytes:

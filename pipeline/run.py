@@ -11,20 +11,51 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig, config_from_json
+from pipeline.layout import (  # noqa: F401 - the layout, re-exported
+    ABORT_KEY,
+    BASE_PREFIX,
+    CHECKPOINT_MANIFESTS,
+    CHECKPOINTS_PREFIX,
+    CONFIG_KEY,
+    CURATED_PREFIX,
+    DATA_PREFIX,
+    DONE_KEY,
+    HF_PREFIX,
+    LINEAGE_KEY,
+    METRICS_PREFIX,
+    ORM_PREFIX,
+    PASS_RATES_PREFIX,
+    REPORT_PREFIX,
+    ROLLOUTS_PREFIX,
+    SPLITS,
+)
 from pipeline.storage import ObjectNotFound, ObjectStore, open_store
 from pipeline.tasks.base import Problem
 
-CONFIG_KEY = "config.json"
-DONE_KEY = "trainer/DONE.json"  # written by the trainer when its last step is done
-# Content manifests of the trainer's verified checkpoints (tpu_jobs/checkpoints.py).
-CHECKPOINT_MANIFESTS = "checkpoint_manifests"
-SPLITS = ("train", "eval")
+if TYPE_CHECKING:
+    from pipeline.paramserver import ParamServer
+
+
+def base_server(run: Run) -> ParamServer:
+    """The run's base model: its own parameter server under `base/` (SFT or an HF import
+    publishes version 0; the trainer starts from it)."""
+    from pipeline.paramserver import ParamServer
+
+    return ParamServer(run.store.child(BASE_PREFIX))
+
+
+def orm_server(run: Run) -> ParamServer:
+    """The run's ORM baseline (an external verifier, `tpu_jobs.orm`): version 0 under
+    `orm/`, read by the evaluator."""
+    from pipeline.paramserver import ParamServer
+
+    return ParamServer(run.store.child(ORM_PREFIX))
 
 
 class RunError(RuntimeError):
@@ -69,7 +100,7 @@ class Run:
     def data_key(self, split: str) -> str:
         if split not in SPLITS:
             raise ValueError(f"split {split!r} unknown; allowed: {', '.join(SPLITS)}")
-        return f"data/{split}.parquet"
+        return f"{DATA_PREFIX}/{split}.parquet"
 
     def write_problems(self, split: str, problems: list[Problem]) -> bool:
         rows = [p.to_dict() for p in problems]
@@ -98,12 +129,13 @@ class Run:
         """Write one immutable metrics record (create-only: a retry is a no-op)."""
         record = {"index": index, "time": time.time(), **record}
         self.store.write_new(
-            f"metrics/{stream}/{index:08d}.json", json.dumps(record, sort_keys=True).encode()
+            f"{METRICS_PREFIX}/{stream}/{index:08d}.json",
+            json.dumps(record, sort_keys=True).encode(),
         )
 
     def read_metrics(self, stream: str) -> list[dict[str, Any]]:
-        keys = self.store.list(f"metrics/{stream}/")
+        keys = self.store.list(f"{METRICS_PREFIX}/{stream}/")
         return [json.loads(self.store.read(k)) for k in keys]
 
     def iter_metric_keys(self, stream: str) -> Iterator[str]:
-        yield from self.store.list(f"metrics/{stream}/")
+        yield from self.store.list(f"{METRICS_PREFIX}/{stream}/")

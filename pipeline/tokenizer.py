@@ -8,9 +8,9 @@ families write) to one id after the specials, so `vocab_size = 4 + len(CHARSET) 
 (the default `ModelConfig.vocab_size`). Characters outside the charset encode to UNK and
 never raise: model text and adversarial answers must always round-trip through the
 pipeline. A Hugging Face `tokenizers.Tokenizer` satisfies the same protocol through
-`tpu_jobs.hf.HFTokenizer`; a run picks its tokenizer with `model.tokenizer` ("char" or
+`tpu_jobs.hf_tokenizer.HFTokenizer`; a run picks its tokenizer with `model.tokenizer` ("char" or
 "hf", the one imported with its base) and every role gets it from
-`tpu_jobs.hf.run_tokenizer(run)`.
+`tpu_jobs.hf_tokenizer.run_tokenizer(run)`.
 """
 
 from __future__ import annotations

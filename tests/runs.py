@@ -11,9 +11,9 @@ import numpy as np
 
 from pipeline import launcher
 from pipeline.config import RunConfig, load_config
-from pipeline.demo import write_data
 from pipeline.leases import BatchLeases
 from pipeline.paramserver import ParamServer
+from pipeline.problem_sets import write_data
 from pipeline.rollouts import RolloutBatch, to_parquet_bytes
 from pipeline.run import Run
 
@@ -106,7 +106,7 @@ def plain_and_variants(
     one clone per variant (its extra overrides) sharing them; every run has the base model
     published as v0 (for rollout workers; a trainer's re-publish is a no-op). Returns
     ({name: run}, the base model's flat tensors)."""
-    from tpu_jobs.sft import base_server
+    from pipeline.run import base_server
     from tpu_jobs.state import new_model, params_to_flat
 
     plain = Run.create(f"{root}/plain", tiny_config(*MESH_RUN_OVERRIDES))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from pipeline import launcher
 from pipeline.config import load_config
-from pipeline.demo import write_data
 from pipeline.paramserver import ParamServer
+from pipeline.problem_sets import write_data
 from pipeline.rollouts import from_parquet_bytes
 from pipeline.run import DONE_KEY, Run
 

@@ -37,7 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from pipeline.run import CHECKPOINT_MANIFESTS as MANIFESTS
-from pipeline.run import Run
+from pipeline.run import CHECKPOINTS_PREFIX, Run
 from pipeline.storage import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def manifest_key(step: int) -> str:
 
 
 def _step_files(store: ObjectStore, step: int) -> list[str]:
-    return store.list(f"checkpoints/{step}/")
+    return store.list(f"{CHECKPOINTS_PREFIX}/{step}/")
 
 
 def content_manifest(store: ObjectStore, step: int) -> dict[str, Any]:
@@ -95,7 +95,7 @@ def checkpoint_dir(run: Run) -> str:
         url = url[len("file://") :]
     elif url.startswith("gs://"):
         _require_gcsfs(url)
-    return f"{url}/checkpoints"
+    return f"{url}/{CHECKPOINTS_PREFIX}"
 
 
 def _require_gcsfs(url: str) -> None:
@@ -202,13 +202,13 @@ class TrainerCheckpoints:
                     why = f"Orbax could not restore it ({type(err).__name__}: {err})"
             refused.append(f"step {step}: {why}")
             self.log(
-                f"[trainer] refused checkpoint {self.store.url_of(f'checkpoints/{step}')}: {why}; "
+                f"[trainer] refused checkpoint {self.store.url_of(f'{CHECKPOINTS_PREFIX}/{step}')}: {why}; "
                 "trying the previous one"
             )
         if refused:
             raise CheckpointCorruptError(
                 "no checkpoint passed verification (" + "; ".join(refused) + "). Restore "
-                f"{self.store.url_of('checkpoints')} from a copy, or delete it (and "
+                f"{self.store.url_of(CHECKPOINTS_PREFIX)} from a copy, or delete it (and "
                 f"{MANIFESTS}/) to start this run over from its base model"
             )
         return None

@@ -55,14 +55,12 @@ from pipeline.paramserver import ParamServer
 from pipeline.run import DONE_KEY, Run
 from pipeline.tasks import get_task
 from tpu_jobs import mesh as meshlib
-from tpu_jobs.hf import run_tokenizer
-from tpu_jobs.judge import self_scores
+from tpu_jobs.hf_tokenizer import run_tokenizer
+from tpu_jobs.judge import load_orm, self_scores
 from tpu_jobs.model import init_model, load_flat_params
-from tpu_jobs.orm import load_orm
-from tpu_jobs.rollout_worker import sample_keys, sampler_mesh
 from tpu_jobs.sampler import Sampler
+from tpu_jobs.sampling import EVAL_STREAM, sample_and_verify, sample_keys, sampler_mesh
 
-EVAL_STREAM = 0xE7A1
 JUDGE_THRESHOLD = 0.5  # a judge says "correct" when its score p(y)/(p(y)+p(n)) > this
 # Rerankers: metric prefix -> (per-sample score column, prefix of accuracy / auc metrics).
 SCORERS = {"self_prm": ("self_score", "judge"), "orm": ("orm_score", "orm")}
@@ -228,32 +226,21 @@ class Evaluator:
         n = self.n
         rows = [(pi, s) for pi in range(len(self.problems)) for s in range(n)]
         keys = sample_keys(self.cfg.seed, EVAL_STREAM, 0, 0, len(self.problems), n)
-        prompt_ids = [self.tok.encode_prompt(p.prompt) for p in self.problems]
-        texts: list[str] = []
-        lengths: list[int] = []
-        completion_ids: list[list[int]] = []
-        for start in range(0, len(rows), ec.batch_size):
-            chunk = rows[start : start + ec.batch_size]
-            out = self.sampler.generate(
-                self.model,
-                [prompt_ids[pi] for pi, _ in chunk],
-                keys[start : start + len(chunk)],
-                max_new_tokens=self.cfg.sampler.max_new_tokens,
-                temperature=ec.temperature,
-            )
-            for r in range(len(chunk)):
-                ln = int(out.lengths[r])
-                ids = out.tokens[r, :ln].tolist()
-                completion_ids.append(ids)
-                texts.append(self.tok.decode(ids))
-                lengths.append(ln)
-        rewards = np.zeros((len(self.problems), n), np.float32)
+        scored = sample_and_verify(
+            self.sampler,
+            self.model,
+            self.tok,
+            [self.problems[pi] for pi, _ in rows],
+            keys,
+            max_new_tokens=self.cfg.sampler.max_new_tokens,
+            temperature=ec.temperature,
+            batch_size=ec.batch_size,
+        )
+        texts, completion_ids = scored.texts, scored.completion_ids
+        rewards = scored.rewards.reshape(len(self.problems), n)
         answers: list[list[str | None]] = [[None] * n for _ in self.problems]
         for (pi, s), text in zip(rows, texts, strict=True):
-            p = self.problems[pi]
-            task = get_task(p.task)
-            rewards[pi, s] = task.verify(p, text)
-            answers[pi][s] = task.extract_answer(text)
+            answers[pi][s] = get_task(self.problems[pi].task).extract_answer(text)
         columns: dict[str, Any] = {
             "version": np.full(len(rows), version, np.int64),
             "problem_id": [self.problems[pi].problem_id for pi, _ in rows],
@@ -263,9 +250,9 @@ class Evaluator:
             "answer": [answers[pi][s] for pi, s in rows],
             "reference": [self.problems[pi].answer for pi, _ in rows],
             "reward": rewards.reshape(-1),
-            "num_tokens": np.asarray(lengths, np.int32),
+            "num_tokens": scored.lengths,
         }
-        judged_prompts = [prompt_ids[pi] for pi, _ in rows]
+        judged_prompts = scored.prompt_ids
         if ec.self_prm:  # the evaluated version judges its own samples
             columns["self_score"] = self_scores(
                 self.model, self.tok, judged_prompts, completion_ids, batch_size=ec.batch_size

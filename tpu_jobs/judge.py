@@ -39,19 +39,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pipeline.config import ModelConfig, from_dict
+from pipeline.run import Run, orm_server
 from pipeline.tasks.judge import JUDGE_SUFFIX, VERDICT_NO, VERDICT_YES, judge_context
 from pipeline.tokenizer import Tokenizer
 from tpu_jobs.batching import pack_rows
-from tpu_jobs.model import Transformer, positions_from_mask
+from tpu_jobs.model import Transformer, init_model, load_flat_params, positions_from_mask
 from tpu_jobs.sampler import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BUCKETS, bucket
 
 __all__ = [
+    "load_orm",
     "VERDICT_MAX_TOKENS",
     "judge_sequences",
     "judged_completion_len",
@@ -176,3 +180,15 @@ def self_scores(
     if len(lp) == 0:
         return np.zeros((0,), np.float32)
     return np.asarray(jax.nn.sigmoid(lp[:, 0] - lp[:, 1]), np.float32)
+
+
+def load_orm(run: Run) -> tuple[Transformer, dict[str, Any]] | None:
+    """(model, snapshot metadata) of the run's published ORM (`tpu_jobs.orm` trains it);
+    None if it has none yet."""
+    server = orm_server(run)
+    if 0 not in server.versions():
+        return None
+    snap = server.pull(0)
+    model = init_model(from_dict(ModelConfig, snap.metadata["model"]), run.config.seed)
+    load_flat_params(model, snap.tensors)
+    return model, snap.metadata

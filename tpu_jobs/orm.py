@@ -47,24 +47,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipeline.config import ModelConfig, from_dict
+from pipeline.config import ModelConfig
 from pipeline.metrics import roc_auc
-from pipeline.paramserver import ParamServer
 from pipeline.rollouts import from_parquet_bytes
-from pipeline.run import Run, RunError
+from pipeline.run import ORM_PREFIX, Run, RunError, base_server, orm_server
 from tpu_jobs.batching import pack_rows, round_up
-from tpu_jobs.hf import run_tokenizer
+from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import judge_sequences, self_scores, verdict_ids
-from tpu_jobs.model import Transformer, init_model, load_flat_params
-from tpu_jobs.sft import base_server
 from tpu_jobs.state import flat_to_params, make_optimizer, new_model, params_to_flat
 
-ORM_PREFIX = "orm"
 ORM_SEED_STREAM = 0x0E4
-
-
-def orm_server(run: Run) -> ParamServer:
-    return ParamServer(run.store.child(ORM_PREFIX))
 
 
 def orm_model_config(run: Run) -> ModelConfig:
@@ -79,17 +71,6 @@ def orm_model_config(run: Run) -> ModelConfig:
         max_seq_len=cfg.model.max_seq_len,
         dtype=cfg.model.dtype,
     )
-
-
-def load_orm(run: Run) -> tuple[Transformer, dict[str, Any]] | None:
-    """(model, snapshot metadata) of the run's published ORM; None if it has none yet."""
-    server = orm_server(run)
-    if 0 not in server.versions():
-        return None
-    snap = server.pull(0)
-    model = init_model(from_dict(ModelConfig, snap.metadata["model"]), run.config.seed)
-    load_flat_params(model, snap.tensors)
-    return model, snap.metadata
 
 
 def labelled_rollouts(run: Run) -> dict[str, list]:

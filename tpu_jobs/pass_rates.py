@@ -37,12 +37,11 @@ from pipeline.storage import open_store
 from pipeline.tasks import TASKS
 from pipeline.tasks.base import Problem
 from tpu_jobs import mesh as meshlib
-from tpu_jobs.hf import run_tokenizer
+from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.model import init_model, load_flat_params
-from tpu_jobs.rollout_worker import sample_keys, sampler_mesh
 from tpu_jobs.sampler import Sampler
+from tpu_jobs.sampling import PASS_RATE_STREAM, sample_and_verify, sample_keys, sampler_mesh
 
-PASS_RATE_STREAM = 0x9A55  # domain separator: pass-rate keys vs rollout/eval keys
 SCHEMA = pa.schema(
     [
         pa.field("problem_id", pa.string(), nullable=False),
@@ -128,27 +127,22 @@ def pass_rates(
     temperature = cfg.sampler.temperature if temperature is None else temperature
     batch_size = batch_size or cfg.eval.batch_size
     keys = sample_keys(cfg.seed, PASS_RATE_STREAM, snapshot.version, 0, len(problems), k)
-    rows = [(pi, s) for pi in range(len(problems)) for s in range(k)]
-    correct = np.zeros((len(problems), k), np.int64)
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        out = sampler.generate(
-            model,
-            [tok.encode_prompt(problems[pi].prompt) for pi, _ in chunk],
-            keys[start : start + len(chunk)],
-            max_new_tokens=cfg.sampler.max_new_tokens,
-            temperature=temperature,
-            top_k=cfg.sampler.top_k,
-            top_p=cfg.sampler.top_p,
-        )
-        for r, (pi, s) in enumerate(chunk):
-            text = tok.decode(out.tokens[r, : int(out.lengths[r])].tolist())
-            p = problems[pi]
-            correct[pi, s] = TASKS[p.task].verify(p, text) >= 1.0
-        log(
-            f"[pass-rates] v{snapshot.version}: {min(start + batch_size, len(rows))}/{len(rows)}"
-            " samples"
-        )
+    scored = sample_and_verify(
+        sampler,
+        model,
+        tok,
+        [p for p in problems for _ in range(k)],
+        keys,
+        max_new_tokens=cfg.sampler.max_new_tokens,
+        temperature=temperature,
+        top_k=cfg.sampler.top_k,
+        top_p=cfg.sampler.top_p,
+        batch_size=batch_size,
+        on_batch=lambda done, total: log(
+            f"[pass-rates] v{snapshot.version}: {done}/{total} samples"
+        ),
+    )
+    correct = (scored.rewards >= 1.0).reshape(len(problems), k).astype(np.int64)
     n_correct = correct.sum(axis=1)
     return pa.Table.from_pydict(
         {

@@ -9,7 +9,7 @@ for each of the batch's prompts with the pinned policy version
 the batch create-only. Sampling keys derive from (seed, batch index, prompt position,
 sample index) only, so whichever worker produces a batch, it is the same batch.
 A snapshot that fails its checksums is refused and the worker keeps its weights.
-Text is encoded with the run's tokenizer (`model.tokenizer`, `tpu_jobs.hf.run_tokenizer`);
+Text is encoded with the run's tokenizer (`model.tokenizer`, `tpu_jobs.hf_tokenizer.run_tokenizer`);
 with `mesh.sampler` set, the worker samples on a mesh of all its devices (docs/scaling.md).
 
 DAPO's rollout side (Yu et al. 2025), on when the trainer config asks for it
@@ -48,7 +48,6 @@ import uuid
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pipeline import failpoints
@@ -57,37 +56,20 @@ from pipeline.paramserver import CorruptSnapshotError, ParamServer, SnapshotNotF
 from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
 from pipeline.run import DONE_KEY, Run
 from pipeline.schedule import batch_problem_indices
-from pipeline.tasks import get_task
 from pipeline.tasks.judge import judge_context, judge_reward
 from tpu_jobs import mesh as meshlib
-from tpu_jobs.hf import run_tokenizer
+from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import VERDICT_MAX_TOKENS, suffix_ids
 from tpu_jobs.losses import filter_constant_groups, overlong_penalty
 from tpu_jobs.model import init_model, load_flat_params
 from tpu_jobs.sampler import Sampler
-
-ROLLOUT_STREAM = 0x0A11  # domain separator of rollout keys vs evaluation keys
-JUDGE_STREAM = 0x0A12  # keys (and solution picks) of learning-to-judge verdicts
-
-
-def sample_keys(seed: int, stream: int, index: int, group: int, count: int, size: int) -> jax.Array:
-    """One key per row of `count` prompts x `size` samples; depends on nothing else."""
-    base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), index)
-    prompt = jnp.repeat(jnp.arange(count), size) + group
-    sample = jnp.tile(jnp.arange(size), count)
-    return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompt, sample)
-
-
-def sampler_mesh(cfg: Any, role: str) -> jax.sharding.Mesh | None:
-    """The sampler mesh of `mesh.sampler` (None: one device) for a job that uses all the
-    devices of its process. Sampling jobs are single-process: each host runs its own."""
-    if jax.process_count() > 1:
-        raise RuntimeError(
-            f"the {role} is a single-process job (it claims its own work), but JAX sees "
-            f"{jax.process_count()} processes; run one {role} per host on single-host "
-            "machines (mesh.distributed applies to the trainer only)"
-        )
-    return meshlib.config_meshes(cfg.mesh, ("sampler",))["sampler"]
+from tpu_jobs.sampling import (
+    JUDGE_STREAM,
+    ROLLOUT_STREAM,
+    sample_and_verify,
+    sample_keys,
+    sampler_mesh,
+)
 
 
 def pick_judged_in_round(
@@ -193,43 +175,35 @@ class RolloutWorker:
         # prompt stream (R = 1 without dynamic sampling: the plain batch slice).
         idx = batch_problem_indices(index * rounds + rnd, p, len(self.problems), cfg.seed)
         problems = [self.problems[i] for i in idx]
-        prompts = [self.tok.encode_prompt(q.prompt) for q in problems for _ in range(g)]
-        keys = sample_keys(cfg.seed, ROLLOUT_STREAM, index, rnd * p, p, g)
-        out = self.sampler.generate(
+        scored = sample_and_verify(
+            self.sampler,
             self.model,
-            prompts,
-            keys,
+            self.tok,
+            [q for q in problems for _ in range(g)],
+            sample_keys(cfg.seed, ROLLOUT_STREAM, index, rnd * p, p, g),
             max_new_tokens=cfg.sampler.max_new_tokens,
             temperature=cfg.sampler.temperature,
             top_k=cfg.sampler.top_k,
             top_p=cfg.sampler.top_p,
             dtype=cfg.sampler.dtype,
         )
-        completions, texts, logps, rewards = [], [], [], []
-        for row, q in enumerate(q for q in problems for _ in range(g)):
-            n = int(out.lengths[row])
-            ids = out.tokens[row, :n].tolist()
-            text = self.tok.decode(ids)
-            completions.append(ids)
-            texts.append(text)
-            logps.append(out.logprobs[row, :n].tolist())
-            rewards.append(get_task(q.task).verify(q, text))
-        rewards = np.asarray(rewards, np.float32)
+        completions, texts, logps = scored.completion_ids, scored.texts, scored.logprobs
+        rewards = scored.rewards
         verified = rewards.copy()
         cache = tc.overlong_cache(cfg.sampler.max_new_tokens)
         if cache > 0:  # DAPO soft overlong punishment, added to the verifier's reward
-            pen = overlong_penalty(out.lengths, cfg.sampler.max_new_tokens, cache)
+            pen = overlong_penalty(scored.lengths, cfg.sampler.max_new_tokens, cache)
             rewards = (rewards + pen).astype(np.float32)
         return {
             "problems": problems,
             "slots": np.arange(p) + rnd * p,
-            "prompts": prompts,
+            "prompts": scored.prompt_ids,
             "completions": completions,
             "texts": texts,
             "logps": logps,
             "rewards": rewards,
             "verified": verified,
-            "finished": out.finished.astype(bool),
+            "finished": scored.finished,
         }
 
     def _judge_groups(self, index: int, r: dict[str, Any]) -> dict[str, list[Any]]:

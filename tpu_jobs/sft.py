@@ -27,21 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pipeline.paramserver import ParamServer
-from pipeline.run import Run
+from pipeline.run import BASE_PREFIX, Run, base_server
 from pipeline.tasks import get_task
 from pipeline.tasks.judge import verdict_text
 from tpu_jobs.batching import pack_rows, round_up
-from tpu_jobs.hf import run_tokenizer
+from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import judged_completion_len, suffix_ids
 from tpu_jobs.state import make_optimizer, new_model, params_to_flat
-
-BASE_PREFIX = "base"
-
-
-def base_server(run: Run) -> ParamServer:
-    return ParamServer(run.store.child(BASE_PREFIX))
-
 
 BALANCED_TRIES = 16  # teacher draws per demonstration to find a wrong solution
 

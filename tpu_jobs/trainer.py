@@ -65,14 +65,14 @@ from pipeline.leases import BatchLeases
 from pipeline.paramserver import ParamServer, StaleEpochError
 from pipeline.retention import apply_retention
 from pipeline.rollouts import RolloutBatch
-from pipeline.run import DONE_KEY, Run
+from pipeline.run import DONE_KEY, Run, base_server
 from pipeline.storage import ObjectNotFound, StorageError
 from pipeline.tasks.base import REWARD_RANGE
 from pipeline.tokenizer import Tokenizer, get_tokenizer
 from tpu_jobs import checkpoints
 from tpu_jobs import mesh as meshlib
 from tpu_jobs.batching import pack_rows, pad_values, round_up
-from tpu_jobs.hf import run_tokenizer
+from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import judged_completion_len
 from tpu_jobs.losses import (
     MAX_LOG_RATIO,
@@ -85,7 +85,6 @@ from tpu_jobs.losses import (
     masked_min,
 )
 from tpu_jobs.model import init_model
-from tpu_jobs.sft import base_server
 from tpu_jobs.state import flat_to_params, make_optimizer, new_model, params_to_flat, split_model
 from tpu_jobs.value_head import init_value_head, policy_forward
 
@@ -339,7 +338,7 @@ class Learner:
     `mesh` (tpu_jobs.mesh): the train state is placed by `mesh.PARAM_RULES` (`init_state`,
     `place`) and each step's batch split over data x fsdp, so every micro-batch (the whole
     batch by default) must hold a multiple of data * fsdp rows. The programs are the same
-    (GSPMD propagates the shardings). `tokenizer`: the run's (`tpu_jobs.hf.run_tokenizer`),
+    (GSPMD propagates the shardings). `tokenizer`: the run's (`tpu_jobs.hf_tokenizer.run_tokenizer`),
     needed only for judge rows of a model.tokenizer=hf run; default the char tokenizer.
     """
 
@@ -362,7 +361,7 @@ class Learner:
             if tokenizer is None and cfg.model.tokenizer != "char":
                 raise ValueError(
                     f"model.tokenizer={cfg.model.tokenizer!r} with judge groups: pass the run's "
-                    "tokenizer, Learner(..., tokenizer=tpu_jobs.hf.run_tokenizer(run))"
+                    "tokenizer, Learner(..., tokenizer=tpu_jobs.hf_tokenizer.run_tokenizer(run))"
                 )
             self.completion_len = judged_completion_len(
                 cfg.sampler.max_new_tokens, tokenizer or get_tokenizer("char")

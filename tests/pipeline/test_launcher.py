@@ -81,13 +81,23 @@ def _wait_until(cond, timeout: float, what: str):
 @pytest.fixture
 def waiting_run(tmp_path):
     """A run with data but no weights: its rollout worker waits (polls) for version 0."""
-    from pipeline.demo import write_data
+    from pipeline.problem_sets import write_data
     from pipeline.run import Run
     from tests.runs import tiny_config
 
     run = Run.create(str(tmp_path / "run"), tiny_config())
     write_data(run)
     return run
+
+
+def _gone(proc) -> bool:
+    """Exited (or a zombie); it may exit between the two questions, which is an answer too."""
+    import psutil
+
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
@@ -109,7 +119,7 @@ def test_stopping_rlax_rollout_stops_its_worker(waiting_run, sig, tmp_path):
         )[0]
         parent.send_signal(sig)
         # SIGKILL: the worker gets SIGTERM from PR_SET_PDEATHSIG; SIGTERM: rlax forwards it.
-        _wait_until(lambda: not worker.is_running() or worker.status() == "zombie", 20, "exit")
+        _wait_until(lambda: _gone(worker), 20, "exit")
         code = parent.wait(20)
         # SIGTERM: rlax exits with the worker's status, 0 when it had installed its handler
         # (it stops after its poll), 143 when the signal came while it was still starting.
@@ -163,3 +173,65 @@ def test_the_watchdog_stops_a_childs_whole_group_when_the_parent_is_killed():
 
 def test_exit_status_of_a_signalled_child_is_128_plus_the_signal():
     assert launcher.exit_status(-15) == 143 and launcher.exit_status(3) == 3
+
+
+# ------------------------------------------------ command lines and streamed jobs
+
+
+def test_curate_command_mirrors_the_cli():
+    cmd = launcher.curate_command(
+        ["a/*.jsonl", "b/*.csv"],
+        "out",
+        eval_sets=["e.jsonl"],
+        options={"near_dup_threshold": 0.7, "staging": None, "overwrite": True, "x": False},
+        beam_args=["--direct_num_workers=2"],
+    )
+    assert cmd[:3] == [sys.executable, "-m", "beam_jobs.curate"]
+    assert cmd[3:] == [
+        "--input", "a/*.jsonl", "--input", "b/*.csv", "--output", "out",
+        "--eval-sets", "e.jsonl", "--near-dup-threshold", "0.7", "--overwrite",
+        "--direct_num_workers=2",
+    ]  # fmt: skip
+    from beam_jobs.curate import parse_args
+
+    opts = parse_args(cmd[3:])
+    assert opts.inputs == ("a/*.jsonl", "b/*.csv") and opts.near_dup_threshold == 0.7
+    assert opts.overwrite and opts.beam_args == ("--direct_num_workers=2",)
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_stream_streams_output_and_fails_with_the_child(capsys):
+    lines: list[str] = []
+    launcher.stream(_py("print('hello'); print('world')"), name="ok", capture=lines)
+    assert lines == ["hello", "world"]
+    assert "hello" in capsys.readouterr().out
+    with pytest.raises(launcher.JobFailed, match="exited with code 3") as err:
+        launcher.stream(_py("import sys; print('boom'); sys.exit(3)"), name="bad")
+    assert err.value.returncode == 3
+    with pytest.raises(launcher.JobFailed, match="killed by SIGKILL"):
+        launcher.stream(_py("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"), name="k")
+
+
+def test_stream_stops_the_job_when_asked():
+    code = "import signal, sys, time\n"
+    code += "signal.signal(signal.SIGTERM, lambda *a: (print('checkpointing'), sys.exit(0)))\n"
+    code += "print('up', flush=True)\nwhile True: time.sleep(0.1)\n"
+    lines: list[str] = []
+    with pytest.raises(launcher.JobStopped, match="run aborted"):
+        launcher.stream(
+            _py(code),
+            name="trainer",
+            stop_when=lambda: "run aborted" if lines else None,
+            check_every_s=0.2,
+            capture=lines,
+        )
+    assert lines == ["up", "checkpointing"]  # it got SIGTERM (graceful), not SIGKILL
+
+
+def test_curate_command_takes_run_urls_and_worker_names():
+    cmd = launcher.curate_command(["file:///data/*.jsonl"], "file:///runs/r/curated")
+    assert cmd[3:] == ["--input", "/data/*.jsonl", "--output", "/runs/r/curated"]
+    assert launcher.worker_ids(2) == ["worker0", "worker1"]

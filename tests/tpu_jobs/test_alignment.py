@@ -16,10 +16,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from pipeline.run import base_server
 from tests.runs import clone_run
 from tpu_jobs.model import load_flat_params
 from tpu_jobs.rollout_worker import RolloutWorker
-from tpu_jobs.sft import base_server
 from tpu_jobs.trainer import Learner, Trainer
 
 

@@ -102,10 +102,11 @@ def planted_table(ev, version: int, seed: int) -> pa.Table:
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
-    from pipeline.demo import write_data
+    from pipeline.problem_sets import write_data
+    from pipeline.run import base_server
     from tpu_jobs.evaluator import Evaluator
     from tpu_jobs.orm import train_orm
-    from tpu_jobs.sft import base_server, train_sft
+    from tpu_jobs.sft import train_sft
 
     cfg = tiny_config(
         "sft.steps=0",
@@ -196,7 +197,8 @@ def test_self_prm_reranking_on_constructed_scores():
 
 
 def test_orm_learns_planted_labels_and_is_idempotent(small_run):
-    from tpu_jobs.orm import orm_server, train_orm
+    from pipeline.run import orm_server
+    from tpu_jobs.orm import train_orm
 
     run, orm = small_run["run"], small_run["orm"]
     assert orm["train_rows"] + orm["val_rows"] == small_run["solve_rows"]  # judge rows skipped

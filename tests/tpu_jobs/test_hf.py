@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pipeline.config import ModelConfig  # noqa: E402
-from tpu_jobs import hf  # noqa: E402
+from tpu_jobs import hf, hf_tokenizer  # noqa: E402
 from tpu_jobs.decode import DECODE_LAYOUTS  # noqa: E402
 from tpu_jobs.model import flat_params, positions_from_mask  # noqa: E402
 from tpu_jobs.sampler import Sampler  # noqa: E402
@@ -284,7 +284,7 @@ def test_tokenizer_adapter_matches_transformers(tmp_path, chat):
     from pipeline.tokenizer import Tokenizer
 
     d = make_tokenizer_dir(tmp_path / "tok", chat)
-    ours = hf.load_tokenizer(d)
+    ours = hf_tokenizer.load_tokenizer(d)
     ref = transformers.AutoTokenizer.from_pretrained(d)
     assert isinstance(ours, Tokenizer)
     assert (ours.bos_id, ours.eos_id, ours.pad_id) == (
@@ -311,8 +311,7 @@ def test_tokenizer_adapter_matches_transformers(tmp_path, chat):
 
 def test_cli_import_into_new_run_then_export(checkpoints, tmp_path):
     from pipeline.paramserver import ParamServer
-    from pipeline.run import Run, RunError
-    from tpu_jobs.sft import base_server
+    from pipeline.run import Run, RunError, base_server
     from tpu_jobs.state import flat_to_params, new_model, params_to_flat
 
     hf_model, path = checkpoints["qwen3"]
@@ -346,7 +345,7 @@ def test_cli_import_into_new_run_then_export(checkpoints, tmp_path):
         and reloaded.config.eos_token_id == hf_model.config.eos_token_id
     )
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    ours = hf.load_run_tokenizer(run)  # the adapter from the copies stored with the run
+    ours = hf_tokenizer.load_run_tokenizer(run)  # the adapter from the copies stored with the run
     assert ours is not None and ours.eos_id == tok.eos_token_id
     assert (
         ours.encode_prompt("hi")
@@ -402,11 +401,10 @@ def make_char_level_tokenizer_dir(path: Path) -> tuple[Path, int]:
 
 def test_imported_tokenizer_is_used_by_the_rollout_worker(tmp_path):
     from pipeline.paramserver import ParamServer
-    from pipeline.run import Run
+    from pipeline.run import Run, base_server
     from pipeline.tokenizer import CharTokenizer
     from tpu_jobs.batching import round_up
     from tpu_jobs.rollout_worker import RolloutWorker
-    from tpu_jobs.sft import base_server
     from tpu_jobs.trainer import Trainer
 
     tok_dir, vocab = make_char_level_tokenizer_dir(tmp_path / "tok")
@@ -431,7 +429,7 @@ def test_imported_tokenizer_is_used_by_the_rollout_worker(tmp_path):
 
     worker = RolloutWorker(run, "w")
     tok = worker.tok
-    assert isinstance(tok, hf.HFTokenizer) and (tok.eos_id, tok.pad_id) == (im_end, 0)
+    assert isinstance(tok, hf_tokenizer.HFTokenizer) and (tok.eos_id, tok.pad_id) == (im_end, 0)
     assert worker.sampler.eos_id == im_end
     worker._ensure_version(0)
     batch = worker.generate_batch(0, 0)
@@ -466,10 +464,10 @@ def test_hf_tokenizer_needs_an_imported_tokenizer_json(checkpoints, tmp_path):
     hf.import_to_run(path, url, overrides=["task.num_train=8", "task.num_eval=4"], log=print)
     run = Run.open(url)
     assert run.config.model.tokenizer == "char"  # nothing imported: the char tokenizer
-    assert hf.run_tokenizer(run).vocab_size == 56
+    assert hf_tokenizer.run_tokenizer(run).vocab_size == 56
     forced = Run(url=run.url, store=run.store, config=_with_tokenizer(run, "hf"))
     with pytest.raises(hf.HFError, match=r"model.tokenizer=hf but .*rlax import-hf"):
-        hf.run_tokenizer(forced)
+        hf_tokenizer.run_tokenizer(forced)
 
 
 def _with_tokenizer(run, tokenizer: str):

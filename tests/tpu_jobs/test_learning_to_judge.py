@@ -14,6 +14,7 @@ import pytest
 
 from pipeline.config import ConfigError, RolloutConfig
 from pipeline.rollouts import SCHEMA, RolloutBatch, from_parquet_bytes, to_parquet_bytes
+from pipeline.run import base_server
 from pipeline.tasks import get_task
 from pipeline.tasks.arithmetic import ArithmeticTask
 from pipeline.tasks.judge import JUDGE_SUFFIX, judge_reward
@@ -23,7 +24,6 @@ from tpu_jobs import rollout_worker as rw
 from tpu_jobs.batching import round_up
 from tpu_jobs.judge import VERDICT_MAX_TOKENS, judged_completion_len, suffix_ids
 from tpu_jobs.sampler import SampleResult
-from tpu_jobs.sft import base_server
 from tpu_jobs.trainer import Learner, Trainer
 
 TOK = get_tokenizer("char")

@@ -21,8 +21,8 @@ from pipeline.tasks.mix import build_splits
 from pipeline.tokenizer import get_tokenizer
 from tpu_jobs import pass_rates as pr
 from tpu_jobs.model import flat_params, init_model
-from tpu_jobs.rollout_worker import sample_keys
 from tpu_jobs.sampler import SampleResult
+from tpu_jobs.sampling import PASS_RATE_STREAM, sample_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 PERFECT = SFTConfig(carry_drop_prob=0.0, countdown_error_prob=0.0)
@@ -57,7 +57,18 @@ class StubSampler:
         self.tok = get_tokenizer("char")
         self.by_prompt = {tuple(self.tok.encode_prompt(p.prompt)): p for p in self.problems}
 
-    def generate(self, model, prompts, keys, *, max_new_tokens, temperature, top_k=0, top_p=1.0):
+    def generate(
+        self,
+        model,
+        prompts,
+        keys,
+        *,
+        max_new_tokens,
+        temperature,
+        top_k=0,
+        top_p=1.0,
+        dtype="float32",
+    ):
         data = np.asarray(jax.random.key_data(keys))
         texts = []
         for prompt, kd in zip(prompts, data, strict=True):
@@ -85,9 +96,7 @@ def test_pass_rates_count_correct_samples_per_problem(run_with_weights, monkeypa
         run, problems, k, None, batch_size=7, log=lambda *_: None
     )  # 7: splits problems
     keys = np.asarray(
-        jax.random.key_data(
-            sample_keys(run.config.seed, pr.PASS_RATE_STREAM, 3, 0, len(problems), k)
-        )
+        jax.random.key_data(sample_keys(run.config.seed, PASS_RATE_STREAM, 3, 0, len(problems), k))
     )
     expected = [sum(_key_rule(keys[i * k + s]) for s in range(k)) for i in range(len(problems))]
     assert table.schema == pr.SCHEMA

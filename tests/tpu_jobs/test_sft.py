@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.demo import write_data
-from pipeline.run import Run
+from pipeline.problem_sets import write_data
+from pipeline.run import Run, base_server
 from tests.runs import tiny_config
-from tpu_jobs.sft import base_server, train_sft
+from tpu_jobs.sft import train_sft
 
 TINY = ("task.num_train=64", "sampler.max_new_tokens=32", "sft.check_every=5")
 

@@ -21,13 +21,12 @@ import pytest
 from pipeline import config as C
 from pipeline.leases import BatchLeases
 from pipeline.rollouts import RolloutBatch, from_parquet_bytes, to_parquet_bytes
-from pipeline.run import DONE_KEY
+from pipeline.run import DONE_KEY, base_server
 from pipeline.tasks import get_task
 from tests.runs import clone_run
 from tpu_jobs import losses as L
 from tpu_jobs import rollout_worker as rw
 from tpu_jobs.model import init_model, load_flat_params, positions_from_mask, sequence_logprobs
-from tpu_jobs.sft import base_server
 from tpu_jobs.state import split_model
 from tpu_jobs.trainer import Learner, Trainer
 from tpu_jobs.value_head import hidden_states, init_value_head, lm_logits, policy_forward
@@ -482,7 +481,9 @@ def test_dapo_bound_gives_an_empty_batch_when_every_group_is_constant(dapo_worke
         def verify(problem, text):
             return 0.0
 
-    monkeypatch.setattr(rw, "get_task", lambda name: AlwaysWrong)
+    from tpu_jobs import sampling  # the rollout worker's sample -> decode -> verify loop
+
+    monkeypatch.setattr(sampling, "get_task", lambda name: AlwaysWrong)
     monkeypatch.setattr(dapo_worker, "cfg", cfg)
     worker = dapo_worker
     batch = worker.generate_batch(0, 0)

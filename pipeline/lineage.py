@@ -15,7 +15,7 @@ the child's `lineage.json` the first time D runs, so re-running D (or running it
 later dates) reuses the same base; data, weights and metrics are create-only and a
 finished trainer is not restarted: re-running a date changes nothing.
 
-Plain functions (no Airflow) so they are tested directly; heavy imports stay inside.
+Plain functions (no Airflow): the retraining DAG calls them, and they are tested directly.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dags.common import BASE_PREFIX, write_curated_data
+from pipeline.layout import LINEAGE_KEY
 
 LINEAGE_DIR = "_lineage"
-PIN_KEY = "lineage.json"
+PIN_KEY = LINEAGE_KEY
 
 
 class LineageError(RuntimeError):
@@ -108,9 +108,9 @@ def pin_base(store, choice: Mapping[str, Any], ds: str) -> dict[str, Any]:
 def seed_base(child, pinned: Mapping[str, Any]) -> bool:
     """Copy the pinned snapshot to the child's base/ as version 0 (once)."""
     from pipeline.paramserver import ParamServer
-    from pipeline.run import Run
+    from pipeline.run import Run, base_server
 
-    base = ParamServer(child.store.child(BASE_PREFIX))
+    base = base_server(child)
     if 0 in base.versions():
         return False
     snap = ParamServer(Run.open(pinned["run"]).store).pull(int(pinned["version"]))
@@ -145,6 +145,8 @@ def prepare_child(
         pinned = json.loads(child.store.read(PIN_KEY))
     else:
         pinned = pin_base(child.store, choose_base(parent_url, retrain_root, ds, chain), ds)
+    from pipeline.problem_sets import write_curated_data
+
     write_curated_data(child, eval_from=parent.read_problems("eval"))
     seed_base(child, pinned)
     return child
@@ -166,13 +168,11 @@ def register(retrain_root: str, ds: str, url: str) -> dict[str, Any]:
 
 
 def eval_set_url(parent_run) -> str:
-    """The parent's held-out set as a file path/URL for `--eval-sets` (decontamination)."""
-    from dags.common import local_path
-
-    return local_path(parent_run.store.url_of(parent_run.data_key("eval")))
+    """The parent's held-out set as a URL for `--eval-sets` (decontamination)."""
+    return parent_run.store.url_of(parent_run.data_key("eval"))
 
 
 def worker_ids_of(run) -> Sequence[str]:
-    from dags.common import worker_ids
+    from pipeline.launcher import worker_ids
 
     return worker_ids(run.config.workers)

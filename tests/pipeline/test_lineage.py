@@ -1,4 +1,4 @@
-"""Retraining helpers (dags/lineage.py) without Airflow: base pinning, chaining, idempotency."""
+"""Retraining helpers (pipeline/lineage.py) without Airflow: base pinning, chaining, idempotency."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dags.lineage import (
+from pipeline.config import TaskConfig, load_config
+from pipeline.lineage import (
     PIN_KEY,
     LineageError,
     child_url,
@@ -20,9 +21,8 @@ from dags.lineage import (
     register,
     render_source,
 )
-from pipeline.config import TaskConfig, load_config
-from pipeline.demo import write_data
 from pipeline.paramserver import ParamServer
+from pipeline.problem_sets import write_data
 from pipeline.run import DONE_KEY, Run
 from pipeline.storage import open_store
 from pipeline.tasks.mix import build_splits

@@ -1,0 +1,259 @@
+"""The Params (trigger forms) of the RLAX DAGs and the run config they make.
+
+Imported when the DAG files are parsed, so its module level stays light: stdlib,
+`pipeline.config` and the task registry. It holds no DAG (`.airflowignore`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ALGORITHMS, MODEL_PRESETS, ConfigError, RunConfig, load_config
+from pipeline.storage import safe_name
+from pipeline.tasks import TASKS
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+# Task families with a verifier: the form offers what the registry has.
+TASK_FAMILIES = tuple(TASKS)
+# The trainer and every worker hold an executor slot for the whole RL stage: keep
+# workers + 1 within [core] parallelism (8 for `rlax demo --airflow`).
+MAX_WORKERS = 16
+
+
+# --------------------------------------------------------------------- run URLs
+
+
+def resolve_root(root: str) -> str:
+    """A storage root as a URL: gs:// and absolute paths as given, relative paths under
+    the project (the scheduler's working directory is nobody's business)."""
+    root = root.strip()
+    if "://" in root:
+        return root.rstrip("/")
+    path = Path(root).expanduser()
+    return str(path if path.is_absolute() else PROJECT_ROOT / path)
+
+
+# The path-like Params (JSON-schema patterns: the form refuses a bad value before the run
+# starts, and `run_url_for` checks again). No ".." segment anywhere; a run id is a name
+# (the run lives under the storage root), the config file a YAML file inside the project.
+NO_DOTDOT = r"(?!(.*/)?\.\.(/|$))"
+RUN_ID_PATTERN = rf"^$|^{NO_DOTDOT}[A-Za-z0-9][A-Za-z0-9._-]{{0,127}}$"
+STORAGE_ROOT_PATTERN = (
+    rf"^{NO_DOTDOT}(gs://[a-z0-9][a-z0-9._-]*(/[A-Za-z0-9._-]+)*|/?[A-Za-z0-9._-]+"
+    r"(/[A-Za-z0-9._-]+)*)/?$"
+)
+CONFIG_FILE_PATTERN = rf"^{NO_DOTDOT}[A-Za-z0-9_][A-Za-z0-9._/-]*\.ya?ml$"
+
+
+def check_path_param(name: str, value: str, pattern: str, allowed: str) -> str:
+    if not re.match(pattern, value):
+        raise ConfigError(f"Param {name}={value!r} is invalid; allowed: {allowed}")
+    return value
+
+
+def run_url_for(params: Mapping[str, Any], dag_run_id: str) -> str:
+    """The run's URL: `storage_root/run_id`, or `storage_root/airflow-<dag run id>` when
+    `run_id` is empty (stable across task retries)."""
+    run_id = check_path_param(
+        "run_id",
+        (params.get("run_id") or "").strip(),
+        RUN_ID_PATTERN,
+        "a name of letters, digits, . _ - (no '..'), or empty",
+    )
+    root = check_path_param(
+        "storage_root",
+        params.get("storage_root") or "runs",
+        STORAGE_ROOT_PATTERN,
+        "a directory or gs://bucket/prefix without '..' segments",
+    )
+    name = run_id or f"airflow-{safe_name(dag_run_id)}"
+    return f"{resolve_root(root)}/{name}"
+
+
+# ------------------------------------------------------------------------ Params
+
+
+def rl_params() -> dict[str, Any]:
+    """Params of `rlax_rl_training` (the trigger form). Null means: the config file's value."""
+    from airflow.sdk import Param
+
+    def opt_int(title: str, description: str, minimum: int, maximum: int, section: str):
+        return Param(
+            None,
+            type=["null", "integer"],
+            title=title,
+            description=description + " Empty: the config file's value.",
+            minimum=minimum,
+            maximum=maximum,
+            section=section,
+        )
+
+    def opt_choice(title: str, description: str, choices: Sequence[str], section: str):
+        return Param(
+            None,
+            type=["null", "string"],
+            title=title,
+            description=description + " Empty: the config file's.",
+            enum=[None, *choices],
+            section=section,
+        )
+
+    return {
+        "run_id": Param(
+            "",
+            type="string",
+            title="Run id",
+            description="Name of the run under the storage root (letters, digits, . _ -; no "
+            "'..'). Empty: airflow-<dag run id>. Re-using an id resumes that run (it must "
+            "have the same config).",
+            pattern=RUN_ID_PATTERN,
+            section="Run",
+        ),
+        "storage_root": Param(
+            "runs",
+            type="string",
+            title="Storage root",
+            description="Where runs live: a directory (relative to the project) or "
+            "gs://bucket/prefix (no '..' segments).",
+            minLength=1,
+            pattern=STORAGE_ROOT_PATTERN,
+            section="Run",
+        ),
+        "config_file": Param(
+            "configs/demo.yaml",
+            type="string",
+            title="Config file",
+            description="Run config YAML, relative to the project (no '..'); the fields below "
+            "override it.",
+            examples=["configs/demo.yaml", "configs/tiny.yaml"],
+            minLength=1,
+            pattern=CONFIG_FILE_PATTERN,
+            section="Run",
+        ),
+        "task_families": Param(
+            None,
+            type=["null", "array"],
+            title="Task families",
+            description="Verifiable task families of the problem mix (equal weights unless "
+            "they match the config file's families). Empty: the config file's.",
+            items={"type": "string", "enum": list(TASK_FAMILIES)},
+            minItems=1,
+            uniqueItems=True,
+            section="Data",
+        ),
+        "source_data": Param(
+            None,
+            type=["null", "string"],
+            title="Source data (glob)",
+            description="Raw problem files (local or gs:// glob) to curate with the Beam job "
+            "`python -m beam_jobs.curate`; its train/validation splits become the run's "
+            "data. Empty: synthetic problems from the config's task mix.",
+            section="Data",
+        ),
+        "model_preset": opt_choice("Model preset", "Named model size.", MODEL_PRESETS, "Model"),
+        "hf_checkpoint": Param(
+            None,
+            type=["null", "string"],
+            title="HF checkpoint path",
+            description="Local Hugging Face checkpoint directory: imported as the base model "
+            "(`python -m tpu_jobs.hf import`) instead of the SFT bootstrap; the model "
+            "section is taken from it.",
+            section="Model",
+        ),
+        "algorithm": opt_choice("Algorithm", "RL algorithm.", ALGORITHMS, "RL"),
+        "steps": opt_int("RL steps", "Trainer steps.", 1, 10_000_000, "RL"),
+        "workers": opt_int(
+            "Rollout workers",
+            f"Rollout worker tasks running next to the trainer (at most {MAX_WORKERS}).",
+            1,
+            MAX_WORKERS,
+            "RL",
+        ),
+        "max_staleness": opt_int(
+            "Max staleness", "Policy versions a batch may lag (0: on-policy).", 0, 64, "RL"
+        ),
+        "eval_k": opt_int(
+            "Eval k", "Samples per held-out problem; reports pass@1 and pass@k.", 1, 256, "Eval"
+        ),
+        "eval_every": opt_int(
+            "Evaluate every Nth version",
+            "Evaluate versions 0, N, 2N, ... and the last one.",
+            1,
+            100_000,
+            "Eval",
+        ),
+        "overrides": Param(
+            [],
+            type="array",
+            title="Config overrides",
+            description="Dotted overrides applied last, e.g. trainer.lr=1e-4 "
+            "trainer.checkpoint_every=2.",
+            items={"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_.]*=.*$"},
+            section="Run",
+        ),
+    }
+
+
+def config_from_params(params: Mapping[str, Any], model_overrides: Sequence[str] = ()) -> RunConfig:
+    """The run config: config file, then the typed Params, then model overrides taken from
+    an HF checkpoint, then the free-form dotted overrides. Raises ConfigError."""
+    path = Path(
+        check_path_param(
+            "config_file",
+            params.get("config_file") or "configs/demo.yaml",
+            CONFIG_FILE_PATTERN,
+            "a .yaml file relative to the project, without '..'",
+        )
+    )
+    if not path.is_absolute():
+        path = PROJECT_ROOT / path
+    base = load_config(path)
+    extra: dict[str, Any] = {
+        "storage": {"root": resolve_root(params.get("storage_root") or "runs")}
+    }
+    families = params.get("task_families")
+    if families:
+        families = list(families)
+        task: dict[str, Any] = {"families": families}
+        if tuple(families) != base.task.families:
+            task["weights"] = [1.0] * len(families)
+        extra["task"] = task
+    if params.get("model_preset"):
+        extra["model"] = {"preset": params["model_preset"]}
+    trainer: dict[str, Any] = {}
+    for param, field in (("algorithm", "algorithm"), ("steps", "steps")):
+        if params.get(param) is not None:
+            trainer[field] = params[param]
+    if params.get("max_staleness") is not None:
+        trainer["max_staleness"] = params["max_staleness"]
+    if trainer:
+        extra["trainer"] = trainer
+    if params.get("workers") is not None:
+        extra["workers"] = params["workers"]
+    if params.get("eval_k") is not None:
+        k = int(params["eval_k"])
+        extra["eval"] = {"num_samples": k, "ks": sorted({1, k})}
+    overrides = [*model_overrides, *(params.get("overrides") or ())]
+    return load_config(path, overrides, extra=extra)
+
+
+# MERGE: replaced by pipeline.storage's glob once the storage package lands.
+def glob_has_matches(pattern: str) -> bool:
+    """Whether a local or gs:// glob matches at least one file."""
+    if not pattern.startswith("gs://"):
+        return any(Path(p).is_file() for p in glob.glob(os.path.expanduser(pattern)))
+    from pipeline.storage import open_store
+
+    bucket, _, path = pattern[len("gs://") :].partition("/")
+    fixed = re.split(r"[*?\[]", path, maxsplit=1)[0]
+    prefix = fixed.rsplit("/", 1)[0] if "/" in fixed else ""
+    store = open_store(f"gs://{bucket}/{prefix}".rstrip("/"))
+    rest = path[len(prefix) :].lstrip("/")
+    return any(fnmatch.fnmatchcase(key, rest) for key in store.list(""))

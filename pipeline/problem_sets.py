@@ -1,0 +1,86 @@
+"""A run's problem sets: the `train` and `eval` (held-out) problems every job reads.
+
+Two sources: synthetic problems generated from the config's task mix (`write_data`), or
+the train/validation shards of a Beam curation job written under the run's store
+(`write_curated_data`). Both skip work whose output is already there, so a retried task
+or a re-run changes nothing. The job role `data` (`pipeline.data_job`) runs either one.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+from collections.abc import Sequence
+
+from pipeline.config import ConfigError
+from pipeline.layout import CURATED_PREFIX
+from pipeline.run import CONFIG_KEY, Run
+from pipeline.tasks.base import Problem
+
+
+def write_data(run: Run) -> tuple[int, int]:
+    """Generate the train/held-out problem sets (skipped if already there)."""
+    from pipeline.tasks.mix import build_splits
+
+    if run.has_problems("train") and run.has_problems("eval"):
+        return len(run.read_problems("train")), len(run.read_problems("eval"))
+    try:
+        train, held_out = build_splits(run.config.task)
+    except ValueError as err:  # a task option its family cannot generate
+        if run.store.list("") == [CONFIG_KEY]:  # just created: leave nothing behind
+            run.store.delete(CONFIG_KEY)
+        raise ConfigError(f"{err}; run {run.url} was not created") from None
+    run.write_problems("eval", held_out)
+    run.write_problems("train", train)
+    return len(train), len(held_out)
+
+
+def read_curated(store, split: str) -> list[Problem]:
+    """Problems of one split of a curated output (`train`/`validation` shards)."""
+    import pyarrow.parquet as pq
+
+    problems = []
+    for key in store.list(f"{split}/"):
+        if key.endswith(".parquet"):
+            for row in pq.read_table(io.BytesIO(store.read(key))).to_pylist():
+                problems.append(Problem.from_dict(row))
+    return problems
+
+
+def check_families(problems: Sequence[Problem], families: Sequence[str], where: str) -> None:
+    """Refuse problems of a task family the run has no verifier for, naming them."""
+    unknown = Counter(p.task for p in problems if p.task not in families)
+    if unknown:
+        raise ValueError(
+            f"{where}: {sum(unknown.values())} problems of task families "
+            f"{dict(unknown)} have no verifier in this run; allowed families: "
+            f"{', '.join(families)} (set task_families / task.families)"
+        )
+
+
+def write_curated_data(
+    run: Run, curated_prefix: str = CURATED_PREFIX, eval_from: Sequence[Problem] | None = None
+) -> tuple[int, int]:
+    """Make a curated output (under the run's store) the run's train/eval problem sets.
+
+    The held-out set is the curated validation split, or `eval_from` (a list of
+    Problems, e.g. a parent run's held-out set, so versions stay comparable)."""
+    if run.has_problems("train") and run.has_problems("eval"):
+        return len(run.read_problems("train")), len(run.read_problems("eval"))
+    curated = run.store.child(curated_prefix)
+    families = run.config.task.families
+    train = read_curated(curated, "train")
+    held_out = list(eval_from) if eval_from is not None else read_curated(curated, "validation")
+    if not train or not held_out:
+        raise ValueError(
+            f"curated data under {curated.url} has {len(train)} train and {len(held_out)} "
+            "held-out problems; both must be non-empty (more source rows, or a larger "
+            "--val-fraction)"
+        )
+    check_families(train, families, "curated train split")
+    check_families(held_out, families, "held-out set")
+    eval_ids = {p.problem_id for p in held_out}
+    train = [p for p in train if p.problem_id not in eval_ids]
+    run.write_problems("eval", held_out)
+    run.write_problems("train", train)
+    return len(train), len(held_out)
