@@ -343,7 +343,7 @@ def write_report(args, base: Run, results, align, align_train, seconds: float) -
         for r in results:
             last = r["pass1"][versions[-1]]
             notes = []
-            if r["name"] == "dapo":
+            if TrainerConfig(algorithm=r["name"]).uses_dynamic_sampling():  # the preset's
                 notes.append(
                     f"dynamic sampling dropped {r['ds_dropped_groups']} groups; "
                     f"{r['groups_mean']:.1f} groups/batch"
