@@ -185,7 +185,7 @@ def alignment_study(base: Run, shared: Shared, args, log) -> dict[str, Any]:
     in the trainer (float32 recomputation) with the ratio anchored at the sampler's
     log-probs ("behaviour") or at the recomputation ("recompute", + TIS)."""
     cfg = load_config(ROOT / "configs/algorithms/grpo.yaml", budget_overrides(args))
-    cfg = replace(cfg, trainer=replace(cfg.trainer, kl_coef=0.0, max_staleness=0))
+    cfg = replace(cfg, trainer=cfg.trainer.replace(kl_coef=0.0, max_staleness=0))
     run = copy_run(base, str(Path(args.root) / "alignment"), cfg)
     trainer = Trainer(run, log=lambda m: None)
     worker = RolloutWorker(run, "w0", log=lambda m: None)
@@ -199,7 +199,9 @@ def alignment_study(base: Run, shared: Shared, args, log) -> dict[str, Any]:
 
     def learner(**changes) -> Learner:
         # A fresh trainer section: only the preset, the anchor and the IS correction.
-        tc = TrainerConfig(steps=args.steps, lr=args.lr, kl_coef=0.0, is_cap=2.0, **changes)
+        tc = TrainerConfig().replace(
+            steps=args.steps, lr=args.lr, kl_coef=0.0, is_cap=2.0, **changes
+        )
         return Learner(replace(cfg, trainer=tc), trainer.prompt_len, fused=False)
 
     out: dict[str, Any] = {"drift": {}, "anchors": [], "grads": []}
@@ -310,7 +312,7 @@ def write_report(args, base: Run, results, align, align_train, seconds: float) -
     lines = [
         "# RL algorithms on the demo task",
         "",
-        "Every preset of `tpu_jobs/losses.ALGORITHMS`, run from `configs/algorithms/<name>.yaml`"
+        "Every preset of `pipeline/algorithms.PRESETS`, run from `configs/algorithms/<name>.yaml`"
         " (the demo run: demo model "
         f"{param_count(cfg.model):,} parameters, arithmetic + countdown, SFT'd on a noisy teacher; "
         "max_staleness 1 with TIS, C = 2) from one shared base model, **with a reduced budget** "
@@ -341,7 +343,7 @@ def write_report(args, base: Run, results, align, align_train, seconds: float) -
         for r in results:
             last = r["pass1"][versions[-1]]
             notes = []
-            if r["name"] == "dapo":
+            if TrainerConfig(algorithm=r["name"]).uses_dynamic_sampling():  # the preset's
                 notes.append(
                     f"dynamic sampling dropped {r['ds_dropped_groups']} groups; "
                     f"{r['groups_mean']:.1f} groups/batch"

@@ -14,27 +14,17 @@ import json
 import math
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or out of range."""
-
-
-def _check(cond: bool, name: str, value: Any, allowed: str) -> None:
-    if not cond:
-        raise ConfigError(f"{name}={value!r} is invalid; allowed: {allowed}")
-
-
-def _one_of(name: str, value: Any, choices: Iterable[str]) -> None:
-    choices = tuple(choices)
-    _check(value in choices, name, value, "one of " + ", ".join(map(repr, choices)))
-
+from pipeline import algorithms
+from pipeline.errors import ConfigError
+from pipeline.errors import check as _check
+from pipeline.errors import one_of as _one_of
 
 TOKENIZER_NAMES = ("char", "hf")
 
@@ -238,85 +228,64 @@ def _optional_types(cls: type) -> dict[str, Any]:
     return out
 
 
-# Names of the algorithm presets and registry entries of `tpu_jobs.losses` (kept in sync with
-# losses.ALGORITHMS / ADVANTAGES / ... by tests/tpu_jobs/test_trainer.py; this module must not
-# import jax).
-ALGORITHMS = (
-    "grpo",
-    "drgrpo",
-    "dapo",
-    "rloo",
-    "reinforce",
-    "reinforce_pp",
-    "reinforce_pp_baseline",
-    "ppo",
-    "gspo",
-    "cispo",
-)
-ADVANTAGE_NAMES = (
-    "grpo",
-    "drgrpo",
-    "rloo",
-    "reinforce",
-    "reinforce_pp",
-    "reinforce_pp_baseline",
-    "gae",
-)
-POLICY_LOSS_NAMES = ("ppo_clip", "gspo", "cispo", "reinforce")
-AGGREGATION_NAMES = (
-    "seq_mean_token_mean",
-    "token_mean",
-    "seq_mean_token_sum_norm",
-    "seq_mean_token_sum",
-)
-KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
-VALUE_LOSS_NAMES = ("clipped_value",)
-IS_CORRECTION_NAMES = ("none", "tis", "mis")
+# The algorithm presets (pipeline.algorithms declares them, and every loss name).
+ALGORITHMS = tuple(algorithms.PRESETS)
 OLD_LOGPROBS = ("recompute", "behaviour")
 
-# Rollout-side parts of a preset (everything else is in losses.ALGORITHMS): DAPO's dynamic
-# sampling and soft overlong punishment (Yu et al. 2025, sections 3.2 and 3.4). The overlong
-# buffer L_cache is a fraction of L_max = sampler.max_new_tokens (the paper: 4096 / 20480).
-ROLLOUT_PRESETS: dict[str, dict[str, Any]] = {
-    "dapo": {"dynamic_sampling": True, "overlong_buffer_frac": 0.2},
-}
 
-# TrainerConfig fields that override the LossSpec field of the same name (None: the
-# preset's value).
-LOSS_FIELDS = (
-    "advantage",
-    "policy_loss",
-    "aggregation",
-    "eps_low",
-    "eps_high",
-    "dual_clip",
-    "kl_coef",
-    "kl_estimator",
-    "reward_kl_coef",
-    "entropy_coef",
-    "adv_eps",
-    "global_baseline",
-    "gamma",
-    "lam",
-    "whiten_advantages",
-    "max_len",
-    "value_loss",
-    "vf_coef",
-    "value_clip",
-    "is_correction",
-    "is_cap",
-    "is_level",
-)
+def _loss_overrides(overrides: Any, prefix: str) -> dict[str, Any]:
+    """Loss overrides, each coerced to its field's type and checked (pipeline.algorithms),
+    shorthands expanded; a None value means the preset's and is dropped."""
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"{prefix}loss must be a mapping of LossSpec fields, got {overrides!r}")
+    out = {}
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        if name not in algorithms.PARAM_TYPES:
+            algorithms.check_param(name, value, prefix)  # raises: unknown, lists the allowed
+        value = _coerce(value, algorithms.PARAM_TYPES[name], prefix + name)
+        algorithms.check_param(name, value, prefix)
+        out[name] = value
+    return algorithms.expand(out)
+
+
+def _fold_loss_keys(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A trainer mapping with its flat loss keys (`kl_coef: 0`) moved into `loss`.
+
+    The flat form is how YAML files, `--set trainer.kl_coef=0` and Airflow Params write an
+    override, and the shape of configs stored before `loss` existed (every LossSpec field
+    and clip_eps at the top of `trainer`, null = the preset's value). None values are kept
+    here so that a later layer's null still resets an earlier one; TrainerConfig drops them.
+    """
+    out = dict(data)
+    loss = out.get("loss") or {}
+    if not isinstance(loss, Mapping):
+        raise ConfigError(f"trainer.loss must be a mapping of LossSpec fields, got {loss!r}")
+    loss = dict(loss)
+    for key in [k for k in out if k in algorithms.OVERRIDE_KEYS]:
+        value = out.pop(key)
+        if key in loss and loss[key] != value:
+            raise ConfigError(
+                f"trainer.{key}={value!r} and trainer.loss.{key}={loss[key]!r} disagree; "
+                "allowed: one of the two spellings"
+            )
+        loss[key] = value
+    out["loss"] = loss
+    return out
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
     """The RL trainer: one objective assembled from named parts (`tpu_jobs.losses`).
 
-    `algorithm` picks a preset of `losses.ALGORITHMS` (and of `ROLLOUT_PRESETS`); every
-    field below that defaults to None overrides one part or hyper-parameter of the preset,
-    and None means "the preset's value" (so GSPO keeps its 3e-4 / 4e-4 clip range unless
-    eps_low / eps_high / clip_eps are set). Paper symbols are in brackets.
+    `algorithm` picks a preset of `pipeline.algorithms.PRESETS` (and of its
+    ROLLOUT_PRESETS); `loss` holds the explicit overrides of that preset's LossSpec fields
+    (`pipeline.algorithms.LossSpec` lists them, with their paper symbols), everything else
+    is the preset's value (so GSPO keeps its 3e-4 / 4e-4 clip range unless eps_low /
+    eps_high / clip_eps are set). In YAML, on the command line and in Airflow Params an
+    override is written either as `trainer.kl_coef=0` or as `trainer.loss.kl_coef=0`;
+    `clip_eps` is a shorthand for eps_low = eps_high (an explicit one of them wins).
 
     pi_old and off-policy data. A step reads one batch generated by the worker's policy
     pi_behaviour (version `policy_version`, up to `max_staleness` versions behind). With
@@ -337,30 +306,10 @@ class TrainerConfig:
     warmup_steps: int = 5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    # --- policy loss (None: the preset's value) -------------------------------------
-    advantage: str | None = None  # losses.ADVANTAGES key [A_hat estimator]
-    policy_loss: str | None = None  # losses.POLICY_LOSSES key
-    aggregation: str | None = None  # losses.AGGREGATIONS key (how token losses are averaged)
-    clip_eps: float | None = None  # [epsilon, PPO/GRPO] sets eps_low = eps_high
-    eps_low: float | None = None  # [epsilon_low, DAPO; epsilon_low^IS, CISPO] lower clip range
-    eps_high: float | None = None  # [epsilon_high, DAPO clip-higher; epsilon_high^IS, CISPO]
-    dual_clip: float | None = None  # [c, dual-clip PPO, Ye et al. 2020] 0 = off
-    kl_coef: float | None = None  # [beta, GRPO] weight of KL(pi || pi_ref), pi_ref = base
-    kl_estimator: str | None = None  # k1 / k2 / k3 [Schulman 2020; GRPO uses k3]
-    reward_kl_coef: float | None = None  # [beta, REINFORCE++] KL penalty in token rewards
-    entropy_coef: float | None = None  # entropy bonus weight (exact entropy of pi)
-    adv_eps: float | None = None  # [epsilon in (r - mean) / (std + eps)]
-    global_baseline: bool | None = None  # REINFORCE: subtract the batch mean reward [b]
-    gamma: float | None = None  # [gamma, PPO/GAE] discount
-    lam: float | None = None  # [lambda, GAE]
-    whiten_advantages: bool | None = None  # GAE: normalise advantages over the batch
-    max_len: int | None = None  # [L_max, Dr. GRPO] constant length normaliser; 0 = completion
-    value_loss: str | None = None  # losses.VALUE_LOSSES key
-    vf_coef: float | None = None  # [c_1, PPO] value-loss weight; > 0 adds the value head
-    value_clip: float | None = None  # [epsilon of the clipped value loss, PPO2]
-    is_correction: str | None = None  # none / tis / mis: pi_old / pi_behaviour weight
-    is_cap: float | None = None  # [C, TIS (Yao et al. 2025) / MIS] cap of that weight
-    is_level: str | None = None  # "token" or "sequence" importance ratio
+    # Overrides of the preset's LossSpec fields, e.g. {"kl_coef": 0.0}; validated once,
+    # by the checks of pipeline.algorithms. Not part of the hash (a dict is unhashable;
+    # equality still compares it).
+    loss: dict[str, Any] = field(default_factory=dict, hash=False)
     # --- what pi_old is, updates per batch, value head ---------------------------------
     old_logprobs: str = "recompute"  # "recompute" | "behaviour" (see the class docstring)
     mini_batches: int = 1  # updates per pass over a batch, each on whole groups
@@ -405,37 +354,13 @@ class TrainerConfig:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _coerce(value, kind, f"trainer.{name}"))
-        for name, names in (
-            ("advantage", ADVANTAGE_NAMES),
-            ("policy_loss", POLICY_LOSS_NAMES),
-            ("aggregation", AGGREGATION_NAMES),
-            ("kl_estimator", KL_ESTIMATOR_NAMES),
-            ("value_loss", VALUE_LOSS_NAMES),
-            ("is_correction", IS_CORRECTION_NAMES),
-            ("is_level", ("token", "sequence")),
-        ):
-            if getattr(self, name) is not None:
-                _one_of(f"trainer.{name}", getattr(self, name), names)
-        ranges = (
-            ("clip_eps", lambda v: 0 < v < 1, "(0, 1) or null (the preset's)"),
-            ("eps_low", lambda v: 0 <= v <= 1, "[0, 1] (1: no lower bound) or null"),
-            ("eps_high", lambda v: v >= 0, ">= 0 or null"),
-            ("dual_clip", lambda v: v == 0 or v > 1, "0 (off), > 1, or null"),
-            ("kl_coef", lambda v: v >= 0, ">= 0 or null"),
-            ("reward_kl_coef", lambda v: v >= 0, ">= 0 or null"),
-            ("entropy_coef", lambda v: v >= 0, ">= 0 or null"),
-            ("adv_eps", lambda v: v > 0, "> 0 or null"),
-            ("gamma", lambda v: 0 <= v <= 1, "[0, 1] or null"),
-            ("lam", lambda v: 0 <= v <= 1, "[0, 1] or null"),
-            ("max_len", lambda v: v >= 0, ">= 0 or null"),
-            ("vf_coef", lambda v: v >= 0, ">= 0 or null"),
-            ("value_clip", lambda v: v > 0, "> 0 or null"),
-            ("is_cap", lambda v: v >= 1, ">= 1 or null"),
-            ("overlong_buffer", lambda v: v >= 0, ">= 0 (0: off) or null"),
+        _check(
+            self.overlong_buffer is None or self.overlong_buffer >= 0,
+            "trainer.overlong_buffer",
+            self.overlong_buffer,
+            ">= 0 (0: off) or null",
         )
-        for name, ok, allowed in ranges:
-            value = getattr(self, name)
-            _check(value is None or ok(value), f"trainer.{name}", value, allowed)
+        object.__setattr__(self, "loss", _loss_overrides(self.loss, "trainer."))
         _one_of("trainer.old_logprobs", self.old_logprobs, OLD_LOGPROBS)
         _check(self.mini_batches >= 1, "trainer.mini_batches", self.mini_batches, ">= 1")
         _check(self.epochs >= 1, "trainer.epochs", self.epochs, ">= 1")
@@ -463,29 +388,38 @@ class TrainerConfig:
         _check(self.micro_batch >= 0, "trainer.micro_batch", self.micro_batch, ">= 0")
 
     def loss_overrides(self) -> dict[str, Any]:
-        """The LossSpec fields set here (None fields are left to the preset).
+        """The LossSpec fields set here (the others are the preset's): pass them to
+        `pipeline.algorithms.loss_spec(algorithm, **overrides)`."""
+        return dict(self.loss)
 
-        `clip_eps` sets both clip ranges; an explicit eps_low / eps_high wins over it."""
-        out: dict[str, Any] = {}
-        if self.clip_eps is not None:
-            out["eps_low"] = out["eps_high"] = self.clip_eps
-        for name in LOSS_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        return out
+    def replace(self, **changes: Any) -> TrainerConfig:
+        """A copy with `changes`: trainer fields, and loss hyper-parameters (or clip_eps),
+        which are added to the overrides."""
+        changes = _fold_loss_keys(changes)
+        loss = {**self.loss, **changes.pop("loss")}
+        return dataclasses.replace(self, loss=loss, **changes)
 
     def uses_dynamic_sampling(self) -> bool:
         if self.dynamic_sampling is not None:
             return self.dynamic_sampling
-        return bool(ROLLOUT_PRESETS.get(self.algorithm, {}).get("dynamic_sampling", False))
+        return bool(
+            algorithms.ROLLOUT_PRESETS.get(self.algorithm, {}).get("dynamic_sampling", False)
+        )
 
     def overlong_cache(self, max_new_tokens: int) -> int:
         """L_cache of DAPO's soft overlong punishment for L_max = max_new_tokens; 0 = off."""
         if self.overlong_buffer is not None:
             return min(self.overlong_buffer, max_new_tokens)
-        frac = ROLLOUT_PRESETS.get(self.algorithm, {}).get("overlong_buffer_frac", 0.0)
+        frac = algorithms.ROLLOUT_PRESETS.get(self.algorithm, {}).get("overlong_buffer_frac", 0.0)
         return int(round(frac * max_new_tokens))
+
+
+# Rewrites of a section's mapping from older or shorthand shapes into today's, by section
+# class; `from_dict` applies them, so a run's config.json written by an earlier version
+# keeps loading (and resuming: see RunConfig.digest).
+MIGRATIONS: dict[type, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+    TrainerConfig: _fold_loss_keys,
+}
 
 
 @dataclass(frozen=True)
@@ -668,9 +602,37 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def digest(self) -> str:
-        """A stable hash of the whole config (stored in checkpoints)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=list).encode()
+        """A hash of what the config sets (stored in checkpoints, checked on resume).
+
+        Over the fields whose value differs from their default only: a field added later
+        with a default leaves the digest of every existing config unchanged, so runs
+        created before it still resume.
+        """
+        blob = json.dumps(_non_defaults(self), sort_keys=True, default=list).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _non_defaults(config: Any) -> dict[str, Any]:
+    """{field: value} of a config's fields that differ from their default, nested sections
+    as such dicts (omitted when nothing in them differs)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            if nested := _non_defaults(value):
+                out[f.name] = nested
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if value != default:
+            out[f.name] = value
+    return out
+
+
+def legacy_digest(stored: Mapping[str, Any]) -> str:
+    """The digest earlier versions wrote into checkpoints: a hash of every field of the
+    config as stored in the run's config.json (before `RunConfig.digest` dropped defaults)."""
+    blob = json.dumps(stored, sort_keys=True, default=list).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _coerce(value: Any, tp: Any, name: str) -> Any:
@@ -718,6 +680,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
 
 def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
     """Build dataclass `cls` from a (nested) mapping, rejecting unknown keys."""
+    if cls in MIGRATIONS:
+        data = MIGRATIONS[cls](data)
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -782,11 +746,25 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
         data = loaded
-    if extra:
-        data = _merge(data, extra)
-    data = _merge(data, parse_overrides(overrides))
+    # Each layer in today's shape before merging, so that a later layer wins whichever
+    # spelling (`trainer.kl_coef` or `trainer.loss.kl_coef`) each one uses.
+    for layer in (extra or {}, parse_overrides(overrides)):
+        data = _merge(migrate(data), migrate(layer))
     return from_dict(RunConfig, data)
 
 
+def migrate(data: Mapping[str, Any], cls: type = RunConfig) -> dict[str, Any]:
+    """A (possibly older-shaped) mapping for `cls` in today's shape: the MIGRATIONS of
+    `cls` and of its sections applied. Idempotent."""
+    out = MIGRATIONS[cls](data) if cls in MIGRATIONS else dict(data)
+    hints = typing.get_type_hints(cls)
+    for key, value in out.items():
+        tp = hints.get(key)
+        if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
+            out[key] = migrate(value, tp)
+    return out
+
+
 def config_from_json(text: str) -> RunConfig:
+    """The run config stored in a run's config.json (by this or an earlier version)."""
     return from_dict(RunConfig, json.loads(text))

@@ -6,6 +6,7 @@ config frozen in `config.json` at creation is what they all obey.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import time
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import RunConfig, config_from_json
+from pipeline.config import RunConfig, config_from_json, legacy_digest
 from pipeline.layout import (  # noqa: F401 - the layout, re-exported
     ABORT_KEY,
     BASE_PREFIX,
@@ -95,6 +96,15 @@ class Run:
                 "`rlax demo --run URL` or `rlax init --run URL --config configs/X.yaml`"
             ) from None
         return cls(url=url, store=store, config=config_from_json(text))
+
+    def config_digests(self) -> set[str]:
+        """The config digests a checkpoint of this run may carry: `config.digest()`, and
+        the digest that versions before it computed from the stored config.json (so a run
+        created by one of them still resumes)."""
+        digests = {self.config.digest()}
+        with contextlib.suppress(ObjectNotFound):  # a Run built in memory: today's only
+            digests.add(legacy_digest(json.loads(self.store.read(CONFIG_KEY).decode())))
+        return digests
 
     # ----------------------------------------------------------------- data
     def data_key(self, split: str) -> str:

@@ -6,9 +6,11 @@ The trainer builds one objective as
     + value loss)
 
 with each part chosen by name from a registry (dict): `ADVANTAGES`, `POLICY_LOSSES`,
-`AGGREGATIONS`, `KL_ESTIMATORS`, `VALUE_LOSSES`, `IS_CORRECTIONS`. `ALGORITHMS` maps an
-algorithm name to a `LossSpec` preset naming its parts and default hyper-parameters;
-`compute_loss(spec, ...)` runs the composition and returns `(loss, metrics)`.
+`AGGREGATIONS`, `KL_ESTIMATORS`, `VALUE_LOSSES`, `IS_CORRECTIONS`. The names, what each
+part needs, the `LossSpec` of hyper-parameters and the presets (`ALGORITHMS`) are declared
+in `pipeline.algorithms` (no jax); this module holds the JAX implementations and registers
+them against those names. `compute_loss(spec, ...)` runs the composition and returns
+`(loss, metrics)`.
 
 Array conventions (all completion-token arrays are [B, T], one row per sampled completion):
 
@@ -41,16 +43,18 @@ NumPy.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipeline.config import ConfigError
+from pipeline import algorithms
+from pipeline.algorithms import LossSpec, implementations, loss_spec
+
+# The presets are declared in pipeline.algorithms (no jax); this name is the JAX side's view.
+ALGORITHMS = algorithms.PRESETS
 
 Array = jax.Array
 Metrics = dict[str, Array]
@@ -424,15 +428,18 @@ def gae_advantages(
     return AdvantageResult(adv, returns, _adv_metrics(adv, mask, rewards, extra))
 
 
-ADVANTAGES: dict[str, Callable[..., AdvantageResult]] = {
-    "grpo": grpo_advantages,
-    "drgrpo": drgrpo_advantages,
-    "rloo": rloo_advantages,
-    "reinforce": reinforce_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
-    "gae": gae_advantages,
-}
+ADVANTAGES: dict[str, Callable[..., AdvantageResult]] = implementations(
+    algorithms.ADVANTAGES,
+    {
+        "grpo": grpo_advantages,
+        "drgrpo": drgrpo_advantages,
+        "rloo": rloo_advantages,
+        "reinforce": reinforce_advantages,
+        "reinforce_pp": reinforce_pp_advantages,
+        "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+        "gae": gae_advantages,
+    },
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -489,11 +496,14 @@ def masked_is_weight(
     return jnp.where(rho <= cap, rho, 0.0)
 
 
-IS_CORRECTIONS: dict[str, Callable[..., Array] | None] = {
-    "none": None,
-    "tis": tis_weight,
-    "mis": masked_is_weight,
-}
+IS_CORRECTIONS: dict[str, Callable[..., Array] | None] = implementations(
+    algorithms.IS_CORRECTIONS,
+    {
+        "none": None,
+        "tis": tis_weight,
+        "mis": masked_is_weight,
+    },
+)
 
 
 def is_metrics(
@@ -701,12 +711,15 @@ def reinforce_loss(
     return _clean(loss, m), _ratio_metrics(ratio, log_ratio, m, none, none)
 
 
-POLICY_LOSSES: dict[str, Callable[..., tuple[Array, Metrics]]] = {
-    "ppo_clip": ppo_clip_loss,
-    "gspo": gspo_loss,
-    "cispo": cispo_loss,
-    "reinforce": reinforce_loss,
-}
+POLICY_LOSSES: dict[str, Callable[..., tuple[Array, Metrics]]] = implementations(
+    algorithms.POLICY_LOSSES,
+    {
+        "ppo_clip": ppo_clip_loss,
+        "gspo": gspo_loss,
+        "cispo": cispo_loss,
+        "reinforce": reinforce_loss,
+    },
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -741,9 +754,12 @@ def clipped_value_loss(
     return _clean(loss, mask), metrics
 
 
-VALUE_LOSSES: dict[str, Callable[..., tuple[Array, Metrics]]] = {
-    "clipped_value": clipped_value_loss,
-}
+VALUE_LOSSES: dict[str, Callable[..., tuple[Array, Metrics]]] = implementations(
+    algorithms.VALUE_LOSSES,
+    {
+        "clipped_value": clipped_value_loss,
+    },
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -758,6 +774,23 @@ VALUE_LOSSES: dict[str, Callable[..., tuple[Array, Metrics]]] = {
 
 def _num_sequences(mask: Array) -> Array:
     return jnp.maximum(jnp.sum((_fmask(mask).sum(-1) > 0).astype(jnp.float32)), 1.0)
+
+
+def _num_tokens(mask: Array) -> Array:
+    return jnp.maximum(jnp.sum(_fmask(mask)), 1.0)
+
+
+# The counts an aggregation divides by, by the denominator its declaration names.
+DENOMINATORS: dict[str, Callable[[Array], Array]] = {
+    "tokens": _num_tokens,
+    "sequences": _num_sequences,
+}
+
+
+def aggregation_norm(spec: LossSpec, mask: Array) -> Array:
+    """The denominator of `spec`'s aggregation over `mask` [B, T]: pass it as `norm` to
+    every micro-batch of a batch so that their losses sum to the whole batch's."""
+    return DENOMINATORS[spec.denominator](mask)
 
 
 def seq_mean_token_mean(
@@ -775,7 +808,7 @@ def token_mean(
     """DAPO token-level: sum_{i,t} l_{i,t} / sum_i |o_i| — each token weighs the same."""
     del max_len
     total = masked_sum(per_token, mask)
-    return total / (jnp.maximum(jnp.sum(_fmask(mask)), 1.0) if norm is None else norm)
+    return total / (_num_tokens(mask) if norm is None else norm)
 
 
 def seq_mean_token_sum_norm(
@@ -798,12 +831,15 @@ def seq_mean_token_sum(
     return jnp.sum(per_seq) / (_num_sequences(mask) if norm is None else norm)
 
 
-AGGREGATIONS: dict[str, Callable[..., Array]] = {
-    "seq_mean_token_mean": seq_mean_token_mean,
-    "token_mean": token_mean,
-    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
-    "seq_mean_token_sum": seq_mean_token_sum,
-}
+AGGREGATIONS: dict[str, Callable[..., Array]] = implementations(
+    algorithms.AGGREGATIONS,
+    {
+        "seq_mean_token_mean": seq_mean_token_mean,
+        "token_mean": token_mean,
+        "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+        "seq_mean_token_sum": seq_mean_token_sum,
+    },
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -829,171 +865,19 @@ def kl_k3(logp: Array, logp_ref: Array) -> Array:
     return jnp.maximum(jnp.expm1(log_r) - log_r, 0.0)
 
 
-KL_ESTIMATORS: dict[str, Callable[[Array, Array], Array]] = {
-    "k1": kl_k1,
-    "k2": kl_k2,
-    "k3": kl_k3,
-}
+KL_ESTIMATORS: dict[str, Callable[[Array, Array], Array]] = implementations(
+    algorithms.KL_ESTIMATORS,
+    {
+        "k1": kl_k1,
+        "k2": kl_k2,
+        "k3": kl_k3,
+    },
+)
 
 
 # --------------------------------------------------------------------------------------
 # The composed objective
 # --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """Which parts make up the objective and their hyper-parameters (hashable: pass it to
-    `jax.jit` as a static argument). Paper symbols in brackets.
-
-    advantage: key of ADVANTAGES.
-    policy_loss: key of POLICY_LOSSES.
-    aggregation: key of AGGREGATIONS.
-    eps_low: lower clip range [epsilon of PPO/GRPO; eps_low of DAPO; eps_low^IS of CISPO].
-    eps_high: upper clip range [epsilon; DAPO eps_high (clip-higher); CISPO eps_high^IS].
-    dual_clip: dual-clip bound c > 1 for negative advantages [c, Ye et al. 2020]; 0 = off.
-    kl_coef: weight of the KL(pi || pi_ref) loss term [beta of GRPO]; 0 = off.
-    kl_estimator: key of KL_ESTIMATORS for that term (GRPO: k3).
-    reward_kl_coef: per-token KL penalty folded into the token rewards [beta of REINFORCE++;
-        the KL-in-reward of RLHF PPO]; used by "reinforce_pp" and "gae".
-    entropy_coef: weight of the entropy bonus (needs `entropy` [B, T]); 0 = off.
-    adv_eps: added to the std when normalising advantages.
-    global_baseline: "reinforce" subtracts the batch mean reward.
-    gamma: discount [gamma of PPO/GAE; REINFORCE++ returns].
-    lam: GAE lambda [lambda of PPO].
-    whiten_advantages: GAE advantages are normalised over the batch's real tokens.
-    max_len: Dr. GRPO's constant length normaliser; 0 = the array width T.
-    value_loss: key of VALUE_LOSSES.
-    vf_coef: weight of the value loss [c1 of PPO]; 0 = off.
-    value_clip: clip range of the value loss.
-    is_correction: key of IS_CORRECTIONS for sampler/trainer mismatch ("none", "tis", "mis").
-    is_cap: the cap C of the IS weight.
-    is_level: "token" or "sequence" importance ratio.
-    """
-
-    advantage: str = "grpo"
-    policy_loss: str = "ppo_clip"
-    aggregation: str = "seq_mean_token_mean"
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float = 0.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    reward_kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    adv_eps: float = 1e-6
-    global_baseline: bool = False
-    gamma: float = 1.0
-    lam: float = 0.95
-    whiten_advantages: bool = True
-    max_len: int = 0
-    value_loss: str = "clipped_value"
-    vf_coef: float = 0.0
-    value_clip: float = 0.2
-    is_correction: str = "none"
-    is_cap: float = 2.0
-    is_level: str = "token"
-
-    def __post_init__(self) -> None:
-        for name, registry in (
-            ("advantage", ADVANTAGES),
-            ("policy_loss", POLICY_LOSSES),
-            ("aggregation", AGGREGATIONS),
-            ("kl_estimator", KL_ESTIMATORS),
-            ("value_loss", VALUE_LOSSES),
-            ("is_correction", IS_CORRECTIONS),
-        ):
-            value = getattr(self, name)
-            if value not in registry:
-                raise ConfigError(
-                    f"loss.{name}={value!r} is invalid; allowed: one of "
-                    + ", ".join(map(repr, registry))
-                )
-        checks = (
-            ("eps_low", 0.0 <= self.eps_low <= 1.0, "[0, 1] (1 removes the lower bound)"),
-            ("eps_high", self.eps_high >= 0.0, ">= 0"),
-            ("dual_clip", self.dual_clip == 0.0 or self.dual_clip > 1.0, "0 (off) or > 1"),
-            ("kl_coef", self.kl_coef >= 0.0, ">= 0"),
-            ("reward_kl_coef", self.reward_kl_coef >= 0.0, ">= 0"),
-            ("entropy_coef", self.entropy_coef >= 0.0, ">= 0"),
-            ("adv_eps", self.adv_eps > 0.0, "> 0"),
-            ("gamma", 0.0 <= self.gamma <= 1.0, "[0, 1]"),
-            ("lam", 0.0 <= self.lam <= 1.0, "[0, 1]"),
-            ("max_len", self.max_len >= 0, ">= 0 (0: the array width)"),
-            ("vf_coef", self.vf_coef >= 0.0, ">= 0"),
-            ("value_clip", self.value_clip > 0.0, "> 0"),
-            ("is_cap", self.is_cap >= 1.0, ">= 1"),
-            ("is_level", self.is_level in ("token", "sequence"), "'token' or 'sequence'"),
-        )
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ConfigError(
-                    f"loss.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}"
-                )
-
-    def replace(self, **changes: Any) -> LossSpec:
-        return dataclasses.replace(self, **changes)
-
-
-ALGORITHMS: dict[str, LossSpec] = {
-    # GRPO (Shao et al. 2024): eps = 0.2, beta = 0.04 with the k3 estimator.
-    "grpo": LossSpec(kl_coef=0.04, kl_estimator="k3"),
-    # Dr. GRPO (Liu et al. 2025): no std, constant-length normaliser, beta = 0.
-    "drgrpo": LossSpec(advantage="drgrpo", aggregation="seq_mean_token_sum_norm"),
-    # DAPO (Yu et al. 2025): clip-higher eps_low = 0.2 / eps_high = 0.28, token-level loss,
-    # no KL. (Dynamic sampling and overlong shaping live on the rollout side, see below.)
-    "dapo": LossSpec(eps_low=0.2, eps_high=0.28, aggregation="token_mean"),
-    # RLOO (Ahmadian et al. 2024): leave-one-out REINFORCE on the sequence log-likelihood,
-    # normalised by a constant length (same direction as the paper's sum, lr-friendly).
-    "rloo": LossSpec(
-        advantage="rloo", policy_loss="reinforce", aggregation="seq_mean_token_sum_norm"
-    ),
-    "reinforce": LossSpec(
-        advantage="reinforce", policy_loss="reinforce", aggregation="seq_mean_token_sum_norm"
-    ),
-    # REINFORCE++ (Hu 2025): KL in the token reward (beta = 0.01 typical), global batch
-    # normalisation, PPO clipped loss, token-level mean.
-    "reinforce_pp": LossSpec(
-        advantage="reinforce_pp", aggregation="token_mean", reward_kl_coef=0.01
-    ),
-    # REINFORCE++-baseline: group mean baseline, batch std; KL as a k2 loss term.
-    "reinforce_pp_baseline": LossSpec(
-        advantage="reinforce_pp_baseline",
-        aggregation="token_mean",
-        kl_coef=1e-3,
-        kl_estimator="k2",
-    ),
-    # PPO (Schulman et al. 2017) with GAE: gamma = 1, lambda = 0.95 as usual for language
-    # (the paper's control tasks used gamma = 0.99), eps = 0.2, c1 = 0.5.
-    "ppo": LossSpec(
-        advantage="gae",
-        aggregation="token_mean",
-        gamma=1.0,
-        lam=0.95,
-        vf_coef=0.5,
-        value_clip=0.2,
-    ),
-    # GSPO (Zheng et al. 2025): sequence-level ratio, clip 3e-4 / 4e-4.
-    "gspo": LossSpec(policy_loss="gspo", eps_low=3e-4, eps_high=4e-4),
-    # CISPO (MiniMax-M1 2025): clipped IS weight, no lower bound, token-level mean.
-    "cispo": LossSpec(policy_loss="cispo", eps_low=1.0, eps_high=0.28, aggregation="token_mean"),
-}
-
-
-def loss_spec(algorithm: str, **overrides: Any) -> LossSpec:
-    """The preset of `algorithm` with `overrides` applied (validated)."""
-    if algorithm not in ALGORITHMS:
-        raise ConfigError(
-            f"algorithm={algorithm!r} is invalid; allowed: one of "
-            + ", ".join(map(repr, ALGORITHMS))
-        )
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(LossSpec)}
-    if unknown:
-        raise ConfigError(
-            f"unknown LossSpec field(s) {sorted(unknown)}; allowed: "
-            + ", ".join(f.name for f in dataclasses.fields(LossSpec))
-        )
-    return dataclasses.replace(ALGORITHMS[algorithm], **overrides)
 
 
 def compute_advantages(
@@ -1206,8 +1090,10 @@ __all__ = [
     "MAX_LOG_RATIO",
     "POLICY_LOSSES",
     "VALUE_LOSSES",
+    "DENOMINATORS",
     "AdvantageResult",
     "LossSpec",
+    "aggregation_norm",
     "compute_advantages",
     "compute_loss",
     "discounted_returns",

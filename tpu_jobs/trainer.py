@@ -77,6 +77,7 @@ from tpu_jobs.judge import judged_completion_len
 from tpu_jobs.losses import (
     MAX_LOG_RATIO,
     LossSpec,
+    aggregation_norm,
     compute_advantages,
     compute_loss,
     loss_spec,
@@ -392,9 +393,9 @@ class Learner:
                 f"allowed: a multiple of {multiple} rows (or change mesh.trainer: data * fsdp "
                 "must divide it)"
             )
-        self.uses_values = self.spec.advantage == "gae" or self.spec.vf_coef > 0
-        self.needs_ref = self.spec.kl_coef > 0 or self.spec.reward_kl_coef > 0
-        self.needs_entropy = self.spec.entropy_coef > 0
+        self.uses_values = self.spec.needs_value_head
+        self.needs_ref = self.spec.needs_reference
+        self.needs_entropy = self.spec.needs_entropy
         self.recompute = tc.old_logprobs == "recompute"
         self.updates_per_step = tc.mini_batches * tc.epochs
         self.single = self.updates_per_step == 1 and self.micro_rows == self.rows
@@ -497,7 +498,7 @@ class Learner:
         for _ in range(tc.epochs):
             for k in range(tc.mini_batches):
                 lo = k * self.mini_rows
-                norm = self._norm(inp.comp_mask[lo : lo + self.mini_rows])
+                norm = aggregation_norm(self.spec, inp.comp_mask[lo : lo + self.mini_rows])
                 grads, parts = None, []
                 for m0 in range(lo, lo + self.mini_rows, self.micro_rows):
 
@@ -529,12 +530,6 @@ class Learner:
         metrics["updates"] = float(len(per_update))
         metrics["nonfinite_updates"] = float(sum(m["nonfinite_updates"] for m in per_update))
         return params, opt_state, metrics
-
-    def _norm(self, comp_mask) -> jax.Array:
-        """The aggregation's denominator over a whole mini-batch (micro-batches sum)."""
-        if self.spec.aggregation == "token_mean":
-            return jnp.maximum(jnp.sum(comp_mask), 1.0)
-        return jnp.maximum(jnp.sum((jnp.sum(comp_mask, -1) > 0).astype(jnp.float32)), 1.0)
 
     # ------------------------------------------------------------- batches
     def inputs(self, batch: RolloutBatch, pad_id: int = 0) -> StepInputs:
@@ -622,7 +617,7 @@ class Trainer:
         restored = self.ckpt.restore_latest(self._template)
         if restored is not None:
             (params, opt_state), meta = restored
-            if meta.get("config_digest") != self.cfg.digest():
+            if meta.get("config_digest") not in self.run.config_digests():
                 raise RuntimeError(
                     f"checkpoint at step {meta.get('step')} was written by another config "
                     f"({meta.get('config_digest')} != {self.cfg.digest()}); use a new run"

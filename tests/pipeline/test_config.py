@@ -1,9 +1,21 @@
+import dataclasses
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, RunConfig, config_from_json, load_config, parse_overrides
+from pipeline.algorithms import PARAM_TYPES
+from pipeline.config import (
+    ConfigError,
+    RunConfig,
+    TrainerConfig,
+    config_from_json,
+    legacy_digest,
+    load_config,
+    migrate,
+    parse_overrides,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -211,6 +223,13 @@ def test_every_numeric_field_has_a_bad_value_in_the_table():
     assert not missing, f"add a bad value for {missing} to BAD_VALUES (and a range check)"
 
 
+def test_every_numeric_loss_hyper_parameter_has_a_bad_value_in_the_table():
+    """The loss hyper-parameters live in pipeline.algorithms.LossSpec, set as trainer.X."""
+    names = {f"trainer.{n}" for n, tp in PARAM_TYPES.items() if tp in (int, float)}
+    missing = sorted(names - set(BAD_VALUES))
+    assert not missing, f"add a bad value for {missing} to BAD_VALUES (and a range check)"
+
+
 def test_infinities_and_nans_are_refused_in_any_float_field():
     for text in (".inf", "-.inf", ".nan", "inf"):
         with pytest.raises(ConfigError, match="allowed: a finite number"):
@@ -226,3 +245,93 @@ def test_a_failed_init_leaves_nothing_behind(tmp_path):
     assert main(["init", "--run", url, "--config", "configs/tiny.yaml", "task.max_digits=30"])
     assert not (tmp_path / "run" / "config.json").exists()
     assert main(["init", "--run", url, "--config", "configs/tiny.yaml"]) == 0
+
+
+# --------------------------------------------------------------------------------------
+# Loss overrides, configs stored by earlier versions, the digest
+# --------------------------------------------------------------------------------------
+
+# config.json as `Run.create` wrote it before the loss overrides moved into `trainer.loss`:
+# every LossSpec field and clip_eps at the top of `trainer`, null = the preset's value
+# (configs/algorithms/grpo.yaml with trainer.steps=7 trainer.kl_coef=0.0).
+OLD_CONFIG = ROOT / "tests/pipeline/data/config_before_loss_overrides.json"
+OLD_DIGEST = "668c60638c3de32b"  # what that version wrote into the run's checkpoints
+
+
+def test_a_config_stored_before_the_loss_overrides_still_loads():
+    text = OLD_CONFIG.read_text()
+    old = json.loads(text)
+    assert old["trainer"]["kl_coef"] == 0.0 and old["trainer"]["gamma"] is None
+    assert "loss" not in old["trainer"]
+    cfg = config_from_json(text)
+    today = load_config(
+        ROOT / "configs/algorithms/grpo.yaml", ["trainer.steps=7", "trainer.kl_coef=0.0"]
+    )
+    assert cfg == today and cfg.digest() == today.digest()
+    # Set values moved into the overrides, nulls dropped, clip_eps expanded.
+    assert cfg.trainer.loss == {
+        "advantage": "grpo",
+        "policy_loss": "ppo_clip",
+        "aggregation": "seq_mean_token_mean",
+        "eps_low": 0.2,
+        "eps_high": 0.2,
+        "kl_coef": 0.0,
+        "kl_estimator": "k3",
+        "is_correction": "tis",
+        "is_cap": 2.0,
+    }
+    assert migrate(migrate(old)) == migrate(old)  # idempotent
+    assert legacy_digest(old) == OLD_DIGEST
+
+
+def test_a_run_created_before_the_loss_overrides_accepts_its_checkpoints(tmp_path):
+    """The trainer resumes when a checkpoint's digest is one of `Run.config_digests()`."""
+    from pipeline.run import CONFIG_KEY, Run
+    from pipeline.storage import open_store
+
+    url = str(tmp_path / "run")
+    open_store(url).write_new(CONFIG_KEY, OLD_CONFIG.read_bytes())
+    run = Run.open(url)
+    assert OLD_DIGEST in run.config_digests()
+    assert run.config.digest() in run.config_digests()
+    again = Run.create(url, run.config)  # a retry of the same config reopens it
+    assert again.config == run.config
+
+
+def test_the_digest_ignores_a_field_added_later_with_its_default():
+    """Adding a defaulted field to a section changes no existing config's digest (before,
+    the digest hashed every field, and old runs refused to resume)."""
+    cfg = config_from_json(OLD_CONFIG.read_text())
+    Grown = dataclasses.make_dataclass(
+        "TrainerConfig",
+        [("new_knob", float, dataclasses.field(default=0.5))],
+        bases=(TrainerConfig,),
+        frozen=True,
+    )
+    grown_trainer = Grown(**{f.name: getattr(cfg.trainer, f.name) for f in fields(cfg.trainer)})
+    grown = dataclasses.replace(cfg, trainer=grown_trainer)
+    assert grown.digest() == cfg.digest()
+    assert legacy_digest(grown.to_dict()) != legacy_digest(cfg.to_dict())  # the old way
+    # A value that differs from the default does count.
+    assert dataclasses.replace(grown, trainer=grown_trainer.replace(new_knob=1.0)).digest() != (
+        cfg.digest()
+    )
+
+
+def test_loss_overrides_two_spellings_and_layers(tmp_path):
+    flat = load_config(None, ["trainer.kl_coef=0.01"])
+    nested = load_config(None, ["trainer.loss.kl_coef=0.01"])
+    assert flat == nested and flat.trainer.loss == {"kl_coef": 0.01}
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  kl_coef: 0.0\n  clip_eps: 0.1\n")
+    cfg = load_config(path, ["trainer.loss.kl_coef=0.02", "trainer.eps_high=0.3"])
+    assert cfg.trainer.loss == {"kl_coef": 0.02, "eps_low": 0.1, "eps_high": 0.3}
+    assert load_config(path, ["trainer.kl_coef=null"]).trainer.loss == {
+        "eps_low": 0.1,
+        "eps_high": 0.1,
+    }  # null: back to the preset's value
+    with pytest.raises(ConfigError, match="disagree"):
+        load_config(None, ["trainer.kl_coef=0.1", "trainer.loss.kl_coef=0.2"])
+    with pytest.raises(ConfigError, match="unknown loss hyper-parameter 'trainer.clip'"):
+        load_config(None, ["trainer.loss.clip=0.1"])
+    assert TrainerConfig().replace(kl_coef=0, steps=3).loss == {"kl_coef": 0.0}

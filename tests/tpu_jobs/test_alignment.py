@@ -27,10 +27,15 @@ def _with(cfg, section, **changes):
     return replace(cfg, **{section: replace(getattr(cfg, section), **changes)})
 
 
+def _with_trainer(cfg, **changes):
+    """Trainer fields and loss hyper-parameters (added to the preset's overrides)."""
+    return replace(cfg, trainer=cfg.trainer.replace(**changes))
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_base, tmp_path_factory):
     """The base model's batch 0 sampled in float32 and in bfloat16, and a trainer."""
-    cfg = _with(tiny_base.config, "trainer", algorithm="grpo", kl_coef=0.0)
+    cfg = _with_trainer(tiny_base.config, algorithm="grpo", kl_coef=0.0)
     run = clone_run(tiny_base, str(tmp_path_factory.mktemp("align") / "run"), cfg)
     trainer = Trainer(run, log=lambda m: None, fused=False)
     worker = RolloutWorker(run, "w0", log=lambda m: None)
@@ -43,7 +48,7 @@ def setup(tiny_base, tmp_path_factory):
 
 
 def _step(trainer, batch, **changes):
-    cfg = _with(trainer.cfg, "trainer", **changes)
+    cfg = _with_trainer(trainer.cfg, **changes)
     learner = Learner(cfg, trainer.prompt_len, fused=False)  # shared compiled programs
     params, opt = learner.init_state(trainer._base_params())
     inputs = learner.inputs(batch)

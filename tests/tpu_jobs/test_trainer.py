@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pipeline import algorithms as A
 from pipeline import config as C
 from pipeline.leases import BatchLeases
 from pipeline.rollouts import RolloutBatch, from_parquet_bytes, to_parquet_bytes
@@ -43,20 +44,29 @@ def with_trainer(cfg: C.RunConfig, **changes) -> C.RunConfig:
 # --------------------------------------------------------------------------------------
 
 
-def test_config_names_match_the_loss_registries():
-    """pipeline/config.py keeps plain tuples (no jax import): they must equal the registries."""
+def test_every_declared_part_has_an_implementation():
+    """pipeline/algorithms.py declares the names (no jax); tpu_jobs/losses.py implements
+    each one, and the config's preset names are the spec's."""
     assert tuple(L.ALGORITHMS) == C.ALGORITHMS
-    assert tuple(L.ADVANTAGES) == C.ADVANTAGE_NAMES
-    assert tuple(L.POLICY_LOSSES) == C.POLICY_LOSS_NAMES
-    assert tuple(L.AGGREGATIONS) == C.AGGREGATION_NAMES
-    assert tuple(L.KL_ESTIMATORS) == C.KL_ESTIMATOR_NAMES
-    assert tuple(L.VALUE_LOSSES) == C.VALUE_LOSS_NAMES
-    assert tuple(L.IS_CORRECTIONS) == C.IS_CORRECTION_NAMES
-    spec_fields = {f.name for f in dataclasses.fields(L.LossSpec)}
-    assert set(C.LOSS_FIELDS) == spec_fields
-    trainer_fields = {f.name: f for f in dataclasses.fields(C.TrainerConfig)}
-    for name in C.LOSS_FIELDS:
-        assert trainer_fields[name].default is None, name  # None = the preset's value
+    for declared, implemented in (
+        (A.ADVANTAGES, L.ADVANTAGES),
+        (A.POLICY_LOSSES, L.POLICY_LOSSES),
+        (A.AGGREGATIONS, L.AGGREGATIONS),
+        (A.KL_ESTIMATORS, L.KL_ESTIMATORS),
+        (A.VALUE_LOSSES, L.VALUE_LOSSES),
+        (A.IS_CORRECTIONS, L.IS_CORRECTIONS),
+    ):
+        assert tuple(implemented) == tuple(declared)
+    assert tuple(L.DENOMINATORS) == A.DENOMINATORS
+    # The flat spelling `trainer.<hyper-parameter>` folds into `trainer.loss`: no trainer
+    # field may carry a loss hyper-parameter's name.
+    trainer_fields = {f.name for f in dataclasses.fields(C.TrainerConfig)}
+    assert not trainer_fields & A.OVERRIDE_KEYS
+
+
+def test_registering_an_undeclared_name_fails_loudly():
+    with pytest.raises(KeyError, match="vtrace"):
+        A.implementations(A.ADVANTAGES, {"grpo": L.grpo_advantages, "vtrace": len})
 
 
 @pytest.mark.parametrize("alg", C.ALGORITHMS)
@@ -79,8 +89,10 @@ def test_overrides_and_sentinels():
     gspo = C.load_config(None, ["trainer.algorithm=gspo", "trainer.kl_coef=1e-3"]).trainer
     spec = L.loss_spec("gspo", **gspo.loss_overrides())
     assert (spec.eps_low, spec.eps_high) == (3e-4, 4e-4)  # not overwritten by a default
-    assert spec.kl_coef == pytest.approx(1e-3) and isinstance(gspo.kl_coef, float)
-    tc = C.TrainerConfig(algorithm="grpo", clip_eps=0.1, eps_high=0.3, kl_estimator="k2")
+    assert spec.kl_coef == pytest.approx(1e-3) and isinstance(gspo.loss["kl_coef"], float)
+    tc = C.TrainerConfig(
+        algorithm="grpo", loss={"clip_eps": 0.1, "eps_high": 0.3, "kl_estimator": "k2"}
+    )
     spec = L.loss_spec("grpo", **tc.loss_overrides())
     assert (spec.eps_low, spec.eps_high, spec.kl_estimator) == (0.1, 0.3, "k2")
     assert C.TrainerConfig(algorithm="dapo").uses_dynamic_sampling()
