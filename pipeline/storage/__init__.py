@@ -5,6 +5,7 @@ table (``registry.BACKENDS``):
 
 * ``LocalStore`` (``local``): a directory; local paths and ``file:///abs/dir``.
 * ``GCSStore`` (``gcs``): ``gs://bucket/prefix``; create-only and CAS on object generations.
+* ``MemoryStore`` (``memory``): ``memory://name/prefix``, held in this process.
 
 ``RetryPolicy``, ``call_with_retry`` and ``RetryingStore`` (the retry layer for any store)
 live in ``retry``; ``FlakyStore`` (fault injection) in ``faults``. URLs are parsed only by
@@ -26,6 +27,7 @@ from pipeline.storage.base import (
 from pipeline.storage.faults import FlakyStore
 from pipeline.storage.gcs import GCSStore
 from pipeline.storage.local import LocalStore
+from pipeline.storage.memory import MemoryStore
 from pipeline.storage.registry import BACKENDS, Match, glob, open_parent, open_store
 from pipeline.storage.retry import RetryingStore, RetryPolicy, call_with_retry
 from pipeline.storage.urls import StorageUrl, local_path, split_url
@@ -36,6 +38,7 @@ __all__ = [
     "FlakyStore",
     "LocalStore",
     "Match",
+    "MemoryStore",
     "ObjectInfo",
     "ObjectNotFound",
     "ObjectStore",

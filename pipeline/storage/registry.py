@@ -16,11 +16,13 @@ from typing import Any
 from pipeline.storage.base import ObjectStore
 from pipeline.storage.gcs import GCSStore
 from pipeline.storage.local import LocalStore
+from pipeline.storage.memory import MemoryStore
 from pipeline.storage.urls import LOCAL_SCHEME, local_path, split_url
 
 BACKENDS: dict[str, type[ObjectStore]] = {
     LOCAL_SCHEME: LocalStore,
     "gs": GCSStore,
+    "memory": MemoryStore,
 }
 
 GLOB_CHARS = "*?["

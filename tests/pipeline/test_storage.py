@@ -21,6 +21,7 @@ from pipeline.storage import (
     GCSStore,
     LocalStore,
     Match,
+    MemoryStore,
     ObjectNotFound,
     ObjectStore,
     RetryingStore,
@@ -56,7 +57,7 @@ def test_missing_object_errors_name_the_url(store: ObjectStore, tmp_path: Path) 
         store.read("nope/missing.bin")
     assert store.url_of("nope/missing.bin") in str(err.value)
     assert str(err.value).endswith("nope/missing.bin")
-    assert store.url.split("://")[0] in ("file", "gs")
+    assert store.url.split("://")[0] in ("file", "gs", "memory")
     with pytest.raises(ObjectNotFound, match="nope/missing.bin"):
         store.read_to_file("nope/missing.bin", tmp_path / "out.bin")
     assert not (tmp_path / "out.bin").exists()
@@ -182,21 +183,32 @@ def test_unknown_scheme_names_the_scheme_and_the_registered_ones() -> None:
     message = str(err.value)
     assert "'s3'" in message
     assert f"registered schemes: {', '.join(BACKENDS)}" in message
-    assert list(BACKENDS) == ["file", "gs"]
+    assert list(BACKENDS) == ["file", "gs", "memory"]
 
 
 def test_split_url_and_local_path(tmp_path: Path) -> None:
     assert split_url("gs://b/a/x.parquet") == StorageUrl("gs", "b", "a/x.parquet")
     assert split_url("gs://b").root == "gs://b"
+    assert split_url("memory://m/p") == StorageUrl("memory", "m", "p")
     assert split_url("file://localhost/abs/d") == StorageUrl("file", "", "/abs/d")
     assert local_path("file:///abs/d") == Path("/abs/d")
     assert local_path("rel/d") == Path("rel/d")
     assert local_path(tmp_path) == tmp_path
-    assert local_path("gs://b/p") is None
-    with pytest.raises(ValueError, match="names no bucket; expected gs://bucket/prefix"):
-        split_url("gs:///p")
+    assert local_path("gs://b/p") is None and local_path("memory://m") is None
+    with pytest.raises(ValueError, match="names no bucket; expected memory://bucket/prefix"):
+        split_url("memory:///p")
     with pytest.raises(ValueError, match="absolute"):
         local_path("file://rel/d")
+
+
+def test_memory_stores_of_one_name_share_their_objects() -> None:
+    name = f"shared-{os.getpid()}-{time.monotonic_ns()}"
+    assert open_store(f"memory://{name}/run").write_new("weights/LATEST", b"3")
+    whole = open_store(f"memory://{name}")
+    assert isinstance(whole, MemoryStore) and whole.url == f"memory://{name}"
+    assert whole.read("run/weights/LATEST") == b"3"
+    assert whole.child("run").url == f"memory://{name}/run"
+    assert open_store(f"memory://other-{name}").list() == []
 
 
 def test_glob_local_and_remote(store: ObjectStore, tmp_path: Path) -> None:
