@@ -218,6 +218,16 @@ class GCSStore(ObjectStore):
             on_retry=lambda _exc: self._retries.add(),
         )
 
+    def _upload_options(self, if_generation_match: int) -> dict[str, Any]:
+        # Every upload is conditional and checksummed; retries are ours (call_with_retry).
+        return {
+            "content_type": "application/octet-stream",
+            "if_generation_match": if_generation_match,
+            "checksum": "crc32c",
+            "retry": None,
+            "timeout": self._timeout,
+        }
+
     def _token_of(self, name: str) -> str | None:
         blob = self.client.bucket(self._bucket_name).get_blob(
             name, retry=None, timeout=self._timeout
@@ -269,14 +279,7 @@ class GCSStore(ObjectStore):
             _MAX_MULTIPART_SIZE = 8 << 20
 
         def upload(blob: Any, igm: int) -> None:
-            blob.upload_from_string(
-                data,
-                content_type="application/octet-stream",
-                if_generation_match=igm,
-                checksum="crc32c",
-                retry=None,
-                timeout=self._timeout,
-            )
+            blob.upload_from_string(data, **self._upload_options(igm))
 
         return self._conditional_write(
             "write_new", key, upload, 0, precheck=len(data) > _MAX_MULTIPART_SIZE
@@ -288,14 +291,7 @@ class GCSStore(ObjectStore):
             raise FileNotFoundError(f"write_new_file {self.url_of(key)}: no local file {path}")
 
         def upload(blob: Any, igm: int) -> None:
-            blob.upload_from_filename(
-                path,
-                content_type="application/octet-stream",
-                if_generation_match=igm,
-                checksum="crc32c",
-                retry=None,
-                timeout=self._timeout,
-            )
+            blob.upload_from_filename(path, **self._upload_options(igm))
 
         return self._conditional_write("write_new_file", key, upload, 0, precheck=True)
 
@@ -304,14 +300,7 @@ class GCSStore(ObjectStore):
             return False  # GCS generations are positive; 0 would mean "must not exist"
 
         def upload(blob: Any, igm: int) -> None:
-            blob.upload_from_string(
-                data,
-                content_type="application/octet-stream",
-                if_generation_match=igm,
-                checksum="crc32c",
-                retry=None,
-                timeout=self._timeout,
-            )
+            blob.upload_from_string(data, **self._upload_options(igm))
 
         igm = 0 if expected_generation is None else expected_generation
         return self._conditional_write("compare_and_swap", key, upload, igm, precheck=False)
