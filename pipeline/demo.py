@@ -20,6 +20,7 @@ from tqdm import tqdm
 from pipeline import launcher
 from pipeline.config import ConfigError
 from pipeline.run import CONFIG_KEY, DONE_KEY, Run
+from pipeline.storage import local_path, split_url
 from pipeline.tasks.mix import build_splits
 
 
@@ -39,10 +40,13 @@ def write_data(run: Run) -> tuple[int, int]:
 
 
 def log_dir(run: Run) -> Path:
-    url = run.store.url
-    if url.startswith("gs://"):
-        return Path(".rlax-logs") / url[len("gs://") :].replace("/", "_")
-    return Path(url.removeprefix("file://")) / "logs"
+    """`{run}/logs` for a local run; for a remote run (nowhere to write files there) a folder
+    under `.rlax-logs/` named for its URL: gs://b/runs/r1 -> `.rlax-logs/b_runs_r1`."""
+    path = local_path(run.store.url)
+    if path is not None:
+        return path / "logs"
+    parsed = split_url(run.store.url)
+    return Path(".rlax-logs") / f"{parsed.bucket}/{parsed.key}".rstrip("/").replace("/", "_")
 
 
 class JobFailed(RuntimeError):
