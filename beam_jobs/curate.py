@@ -128,7 +128,10 @@ class Plan:
 
 
 def _absolute(pattern: str) -> str:
-    return pattern if "://" in pattern else os.path.abspath(pattern)
+    from pipeline.storage import local_path
+
+    path = local_path(pattern)
+    return pattern if path is None else os.path.abspath(path)
 
 
 def make_plan(opts: CurateOptions) -> Plan:
@@ -414,8 +417,10 @@ def build_stats(summary, stats, eval_counts, written, shard_counts) -> dict[str,
 # ------------------------------------------------------------------ staging, publish
 
 
-def _is_gcs(path: str) -> bool:
-    return path.startswith("gs://")
+def _is_remote(path: str) -> bool:
+    from pipeline.storage import local_path
+
+    return local_path(path) is None
 
 
 def _staged_files(staging: str) -> list[str]:
@@ -468,7 +473,7 @@ def publish(plan: Plan, staging: str) -> None:
     output = plan.options.output
     manifest = _manifest(plan, staging)
     shutil.rmtree(os.path.join(staging, "_runs"), ignore_errors=True)
-    if _is_gcs(output):
+    if _is_remote(output):
         from pipeline.storage import open_store
 
         store = open_store(output)
@@ -484,7 +489,7 @@ def publish(plan: Plan, staging: str) -> None:
         return
     with open(os.path.join(staging, SUCCESS), "wb") as f:
         f.write(manifest)
-    target = os.path.abspath(output)
+    target = _absolute(output)
     old = None
     if os.path.exists(target):
         old = f"{target}.old-{uuid.uuid4().hex[:8]}"
@@ -498,16 +503,16 @@ def publish(plan: Plan, staging: str) -> None:
 def _staging_dir(plan: Plan) -> str:
     o = plan.options
     if o.staging:
-        if "://" in o.staging:
+        if _is_remote(o.staging):
             raise CurateError(
                 f"--staging {o.staging!r} is invalid; allowed: a local directory "
                 "(the output itself may be gs://)"
             )
         return _absolute(o.staging)
-    if _is_gcs(o.output):
+    if _is_remote(o.output):
         return tempfile.mkdtemp(prefix="rlax-curate-")
     # Beside the output, so the final move is a rename on the same filesystem.
-    target = os.path.abspath(o.output)
+    target = _absolute(o.output)
     return f"{target}.staging-{plan.fingerprint[:12]}"
 
 

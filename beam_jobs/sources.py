@@ -11,8 +11,6 @@ from __future__ import annotations
 import bz2
 import contextlib
 import csv
-import fnmatch
-import glob
 import gzip
 import io
 import json
@@ -295,13 +293,6 @@ def iter_rows(f: BinaryIO, src: SourceFile, max_bytes: int) -> Iterator[RawRow]:
         yield RawRow(make_uid(src.rank, row), src.path, row, fields, raw, error)
 
 
-def _split_gs(url: str) -> tuple[str, str]:
-    bucket, _, name = url[len("gs://") :].partition("/")
-    if not bucket:
-        raise SourceError(f"{url!r} names no bucket; expected gs://bucket/path")
-    return bucket, name
-
-
 def _decompress(f: BinaryIO, path: str) -> BinaryIO:
     if path.endswith(".gz"):
         return gzip.GzipFile(fileobj=f)  # type: ignore[return-value]
@@ -312,21 +303,22 @@ def _decompress(f: BinaryIO, path: str) -> BinaryIO:
 
 @contextlib.contextmanager
 def open_source(path: str) -> Iterator[BinaryIO]:
-    """A local or gs:// file as a binary stream (.gz/.bz2 decompressed).
+    """A local or remote (gs://) file as a binary stream (.gz/.bz2 decompressed).
 
-    gs:// objects are streamed to a local temp file through the project's ObjectStore
+    Remote objects are streamed to a local temp file through the project's ObjectStore
     (its retries, and the GCS emulator in tests), then read from disk.
     """
-    if not path.startswith("gs://"):
-        with open(path, "rb") as raw:
+    from pipeline.storage import local_path, open_parent
+
+    file = local_path(path)
+    if file is not None:
+        with open(file, "rb") as raw:
             yield _decompress(raw, path)
         return
-    from pipeline.storage import open_store
-
-    bucket, name = _split_gs(path)
+    store, key = open_parent(path)
     with tempfile.TemporaryDirectory(prefix="rlax-src-") as tmp:
         local = os.path.join(tmp, "object")
-        open_store(f"gs://{bucket}").read_to_file(name, local)
+        store.read_to_file(key, local)
         with open(local, "rb") as raw:
             yield _decompress(raw, path)
 
@@ -336,35 +328,15 @@ def read_source(src: SourceFile, max_bytes: int) -> Iterator[RawRow]:
         yield from iter_rows(f, src, max_bytes)
 
 
-_GLOB_CHARS = "*?["
-
-
 def _match_one(pattern: str) -> dict[str, tuple[int, int]]:
     """path -> (size, version) for one glob; version is the local mtime in ns or the GCS
     object generation, so a rewritten input changes the job's fingerprint."""
-    if not pattern.startswith("gs://"):
-        paths = (
-            glob.glob(pattern, recursive=True)
-            if any(c in pattern for c in _GLOB_CHARS)
-            else ([pattern] if os.path.exists(pattern) else [])
-        )
-        out = {}
-        for p in paths:
-            if os.path.isfile(p):
-                st = os.stat(p)
-                out[os.path.abspath(p)] = (st.st_size, st.st_mtime_ns)
-        return out
-    from pipeline.storage import open_store
+    from pipeline.storage import glob
 
-    bucket, name = _split_gs(pattern)
-    cut = min((name.index(c) for c in _GLOB_CHARS if c in name), default=len(name))
-    store = open_store(f"gs://{bucket}")
-    blobs = store.client.list_blobs(bucket, prefix=name[:cut])
-    return {
-        f"gs://{bucket}/{b.name}": (int(b.size or 0), int(b.generation or 0))
-        for b in blobs
-        if not b.name.endswith("/") and fnmatch.fnmatchcase(b.name, name)
-    }
+    try:
+        return {m.url: (m.size, m.version) for m in glob(pattern)}
+    except ValueError as err:  # a malformed URL: the job's own error, which main() reports
+        raise SourceError(str(err)) from None
 
 
 def match_sources(

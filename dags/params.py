@@ -6,16 +6,13 @@ Imported when the DAG files are parsed, so its module level stays light: stdlib,
 
 from __future__ import annotations
 
-import fnmatch
-import glob
-import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.config import ALGORITHMS, MODEL_PRESETS, ConfigError, RunConfig, load_config
-from pipeline.storage import safe_name
+from pipeline.storage import local_path, safe_name
 from pipeline.tasks import TASKS
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -34,9 +31,10 @@ def resolve_root(root: str) -> str:
     """A storage root as a URL: gs:// and absolute paths as given, relative paths under
     the project (the scheduler's working directory is nobody's business)."""
     root = root.strip()
-    if "://" in root:
+    path = local_path(root)
+    if path is None:  # gs://... (or another remote scheme)
         return root.rstrip("/")
-    path = Path(root).expanduser()
+    path = path.expanduser()
     return str(path if path.is_absolute() else PROJECT_ROOT / path)
 
 
@@ -242,18 +240,3 @@ def config_from_params(params: Mapping[str, Any], model_overrides: Sequence[str]
         extra["eval"] = {"num_samples": k, "ks": sorted({1, k})}
     overrides = [*model_overrides, *(params.get("overrides") or ())]
     return load_config(path, overrides, extra=extra)
-
-
-# MERGE: replaced by pipeline.storage's glob once the storage package lands.
-def glob_has_matches(pattern: str) -> bool:
-    """Whether a local or gs:// glob matches at least one file."""
-    if not pattern.startswith("gs://"):
-        return any(Path(p).is_file() for p in glob.glob(os.path.expanduser(pattern)))
-    from pipeline.storage import open_store
-
-    bucket, _, path = pattern[len("gs://") :].partition("/")
-    fixed = re.split(r"[*?\[]", path, maxsplit=1)[0]
-    prefix = fixed.rsplit("/", 1)[0] if "/" in fixed else ""
-    store = open_store(f"gs://{bucket}/{prefix}".rstrip("/"))
-    rest = path[len(prefix) :].lstrip("/")
-    return any(fnmatch.fnmatchcase(key, rest) for key in store.list(""))

@@ -25,11 +25,12 @@ time (`max_active_runs=1`), so weeks chain in order. See docs/airflow.md.
 
 from __future__ import annotations
 
+import os
 from datetime import datetime
 
 from airflow.sdk import Param, dag, get_current_context, task
 
-from dags.params import MAX_WORKERS, glob_has_matches, resolve_root
+from dags.params import MAX_WORKERS, resolve_root
 from dags.stage import DEFAULT_ARGS, add_rl_stage, run_command
 from pipeline.lineage import (
     LineageError,
@@ -126,7 +127,7 @@ def rlax_retraining():
         """Curate the logical date's new data into the child run; skip if there is none."""
         from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-        from pipeline import launcher
+        from pipeline import launcher, storage
         from pipeline.launcher import JobFailed
         from pipeline.run import CURATED_PREFIX, Run, RunError
 
@@ -139,10 +140,8 @@ def rlax_retraining():
                 return url
         except RunError:
             pass
-        source = render_source(params["source_data"], ds)
-        if "://" not in source and not source.startswith("/"):
-            source = resolve_root(source)
-        if not glob_has_matches(source):
+        source = resolve_root(render_source(params["source_data"], ds))
+        if not storage.glob(os.path.expanduser(source)):
             raise AirflowSkipException(f"no new source data for {ds}: nothing matches {source}")
         try:
             parent = Run.open(parent_url)

@@ -572,13 +572,18 @@ def demo_via_airflow(
     if state != "success":
         print(f"DAG run {run_id} {state} after {took}; task logs under {Path(home) / 'logs'}")
         return 1
+    from pipeline.storage import local_path
+
     report = f"{url}/report/report.md"
-    if "://" not in report and Path(report).is_file():
-        print("\n" + Path(report).read_text())
+    if (path := local_path(report)) is not None and path.is_file():
+        print("\n" + path.read_text())
     print(f"\ndone in {took} (DAG run {run_id}); report: {report}")
     return 0
 
 
 def _absolute(root: str) -> str:
     """Local paths absolute (relative to the working directory, as for `rlax demo`)."""
-    return root.rstrip("/") if "://" in root else str(Path(root).expanduser().resolve())
+    from pipeline.storage import local_path  # lazily, as everywhere in this module
+
+    path = local_path(root)
+    return root.rstrip("/") if path is None else str(path.expanduser().resolve())

@@ -413,10 +413,15 @@ def stream_role(
 
 def log_dir(run_url: str) -> Path:
     """Where the background jobs of a run write their logs: `<run>/logs/` for a local
-    run, `.rlax-logs/<bucket>_<prefix>/` (here) for a run in a bucket."""
-    if run_url.startswith("gs://"):
-        return Path(".rlax-logs") / run_url[len("gs://") :].replace("/", "_")
-    return Path(run_url.removeprefix("file://")) / "logs"
+    run; for a remote run (nowhere to write files there) a folder under `.rlax-logs/`
+    named for its URL: gs://b/runs/r1 -> `.rlax-logs/b_runs_r1`."""
+    from pipeline.storage import local_path, split_url  # not at the top: see _WATCHDOG
+
+    path = local_path(run_url)
+    if path is not None:
+        return path / "logs"
+    parsed = split_url(run_url)
+    return Path(".rlax-logs") / f"{parsed.bucket}/{parsed.key}".rstrip("/").replace("/", "_")
 
 
 @dataclass

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.run import DONE_KEY, Run
+from pipeline.storage import local_path
 
 EVENT_PREFIX = "events.out.tfevents."
 SKIP_KEYS = {"index", "time", "step", "version"}  # bookkeeping, or the x axis itself
@@ -42,10 +43,8 @@ CI_KEYS = {"mean", "lo", "hi"}
 
 def local_logdir(run: Run) -> Path | None:
     """`{run}/tensorboard` for a run in a local directory; None for a gs:// run."""
-    url = run.store.url
-    if not url.startswith("file://"):
-        return None
-    return Path(url[len("file://") :]) / "tensorboard"
+    path = local_path(run.store.url)
+    return None if path is None else path / "tensorboard"
 
 
 def tb_tag(path: str) -> str:

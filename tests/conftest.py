@@ -3,7 +3,8 @@
 * ``gcs_emulator`` (session): a fake-gcs-server process on 127.0.0.1 with an in-memory
   backend, STORAGE_EMULATOR_HOST pointing at it for the whole session, and a bucket.
 * ``store``: parametrized over backends, a fresh empty ``ObjectStore`` per test: a
-  ``LocalStore`` in tmp_path and a ``GCSStore`` under a unique prefix of the emulator bucket.
+  ``LocalStore`` in tmp_path, a ``GCSStore`` under a unique prefix of the emulator bucket and
+  a ``MemoryStore`` of a unique name.
 """
 
 from __future__ import annotations
@@ -198,12 +199,14 @@ def fast_retry_policy() -> Any:
     return _fast_retry()
 
 
-@pytest.fixture(params=["local", "gcs"])
+@pytest.fixture(params=["local", "gcs", "memory"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    from pipeline.storage import GCSStore, LocalStore
+    from pipeline.storage import GCSStore, LocalStore, open_store
 
     if request.param == "local":
         return LocalStore(tmp_path / "store")
+    if request.param == "memory":
+        return open_store(f"memory://test-{uuid.uuid4().hex[:12]}")
     emulator = request.getfixturevalue("gcs_emulator")
     return GCSStore(
         emulator.bucket,

@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 
 from pipeline.run import CHECKPOINT_MANIFESTS as MANIFESTS
 from pipeline.run import CHECKPOINTS_PREFIX, Run
-from pipeline.storage import ObjectNotFound, ObjectStore
+from pipeline.storage import ObjectNotFound, ObjectStore, local_path, split_url
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +91,10 @@ def verify_step(store: ObjectStore, step: int) -> str | None:
 
 def checkpoint_dir(run: Run) -> str:
     url = run.store.url.rstrip("/")
-    if url.startswith("file://"):
-        url = url[len("file://") :]
-    elif url.startswith("gs://"):
+    path = local_path(url)
+    if path is not None:
+        return f"{path}/checkpoints"
+    if split_url(url).scheme == "gs":
         _require_gcsfs(url)
     return f"{url}/{CHECKPOINTS_PREFIX}"
 

@@ -19,11 +19,8 @@ Problems of a task without a verifier in `pipeline.tasks` are skipped (and count
 from __future__ import annotations
 
 import argparse
-import fnmatch
-import glob
 import hashlib
 import io
-import os
 import sys
 import time
 
@@ -33,7 +30,7 @@ import pyarrow.parquet as pq
 
 from pipeline.paramserver import ParamServer
 from pipeline.run import Run
-from pipeline.storage import open_store
+from pipeline.storage import glob, local_path, open_parent
 from pipeline.tasks import TASKS
 from pipeline.tasks.base import Problem
 from tpu_jobs import mesh as meshlib
@@ -55,32 +52,17 @@ SCHEMA = pa.schema(
 _COLUMNS = ["problem_id", "task", "prompt", "answer", "meta"]
 
 
-def _split_url(url: str) -> tuple[str, str]:
-    """gs://bucket/a/b.parquet -> (gs://bucket/a, b.parquet); local paths likewise."""
-    head, _, name = url.rstrip("/").rpartition("/")
-    return head, name
-
-
 def match_files(pattern: str) -> list[str]:
     """Files matching a local or gs:// glob, sorted."""
-    if not pattern.startswith("gs://"):
-        return sorted(
-            p for p in glob.glob(os.path.abspath(pattern), recursive=True) if os.path.isfile(p)
-        )
-    bucket, _, name = pattern[len("gs://") :].partition("/")
-    cut = min((name.index(c) for c in "*?[" if c in name), default=len(name))
-    store = open_store(f"gs://{bucket}")
-    return sorted(
-        f"gs://{bucket}/{k}" for k in store.list(name[:cut]) if fnmatch.fnmatchcase(k, name)
-    )
+    return [m.url for m in glob(pattern)]
 
 
 def _read_bytes(url: str) -> bytes:
-    if not url.startswith("gs://"):
-        with open(url, "rb") as f:
-            return f.read()
-    head, name = _split_url(url)
-    return open_store(head).read(name)
+    path = local_path(url)
+    if path is not None:
+        return path.read_bytes()
+    store, key = open_parent(url)
+    return store.read(key)
 
 
 def load_problems(pattern: str) -> list[Problem]:
@@ -198,9 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pass_rates: run {args.run} has no published weights yet", file=sys.stderr)
         return 2
     if args.output:
-        out = args.output if "://" in args.output else os.path.abspath(args.output)
-        head, key = _split_url(out)
-        store = open_store(head)
+        store, key = open_parent(args.output)
     else:
         store, key = run.store, default_key(version, args.k, problems)
     if store.exists(key):

@@ -14,7 +14,14 @@ from pipeline.paramserver import (
     SnapshotNotFoundError,
     StaleEpochError,
 )
-from pipeline.storage import FlakyStore, GCSStore, LocalStore, ObjectStore, RetryingStore
+from pipeline.storage import (
+    FlakyStore,
+    GCSStore,
+    LocalStore,
+    MemoryStore,
+    ObjectStore,
+    RetryingStore,
+)
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -69,6 +76,11 @@ def _flip_byte(store: ObjectStore, key: str, offset: int = 0) -> None:
             byte = f.read(1)
             f.seek(offset)
             f.write(bytes([byte[0] ^ 0xFF]))
+    elif isinstance(store, MemoryStore):
+        data = bytearray(store.read(key))
+        data[offset] ^= 0xFF
+        store.delete(key)
+        store.write_new(key, bytes(data))
     else:
         assert isinstance(store, GCSStore)
         blob = store.client.bucket(store.bucket_name).blob(store.object_name(key))

@@ -16,16 +16,24 @@ import pytest
 import requests
 
 from pipeline.storage import (
+    BACKENDS,
     FlakyStore,
     GCSStore,
     LocalStore,
+    Match,
+    MemoryStore,
     ObjectNotFound,
     ObjectStore,
     RetryingStore,
     RetryPolicy,
     StorageError,
+    StorageUrl,
     TransientStorageError,
+    glob,
+    local_path,
+    open_parent,
     open_store,
+    split_url,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,7 +57,7 @@ def test_missing_object_errors_name_the_url(store: ObjectStore, tmp_path: Path) 
         store.read("nope/missing.bin")
     assert store.url_of("nope/missing.bin") in str(err.value)
     assert str(err.value).endswith("nope/missing.bin")
-    assert store.url.split("://")[0] in ("file", "gs")
+    assert store.url.split("://")[0] in ("file", "gs", "memory")
     with pytest.raises(ObjectNotFound, match="nope/missing.bin"):
         store.read_to_file("nope/missing.bin", tmp_path / "out.bin")
     assert not (tmp_path / "out.bin").exists()
@@ -167,6 +175,81 @@ def test_open_store_by_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         open_store("gs://")
     with pytest.raises(ValueError, match="absolute"):
         open_store("file://relative/path")
+
+
+def test_unknown_scheme_names_the_scheme_and_the_registered_ones() -> None:
+    with pytest.raises(ValueError) as err:
+        open_store("s3://bucket/x")
+    message = str(err.value)
+    assert "'s3'" in message
+    assert f"registered schemes: {', '.join(BACKENDS)}" in message
+    assert list(BACKENDS) == ["file", "gs", "memory"]
+
+
+def test_split_url_and_local_path(tmp_path: Path) -> None:
+    assert split_url("gs://b/a/x.parquet") == StorageUrl("gs", "b", "a/x.parquet")
+    assert split_url("gs://b").root == "gs://b"
+    assert split_url("memory://m/p") == StorageUrl("memory", "m", "p")
+    assert split_url("file://localhost/abs/d") == StorageUrl("file", "", "/abs/d")
+    assert local_path("file:///abs/d") == Path("/abs/d")
+    assert local_path("rel/d") == Path("rel/d")
+    assert local_path(tmp_path) == tmp_path
+    assert local_path("gs://b/p") is None and local_path("memory://m") is None
+    with pytest.raises(ValueError, match="names no bucket; expected memory://bucket/prefix"):
+        split_url("memory:///p")
+    with pytest.raises(ValueError, match="absolute"):
+        local_path("file://rel/d")
+
+
+def test_memory_stores_of_one_name_share_their_objects() -> None:
+    name = f"shared-{os.getpid()}-{time.monotonic_ns()}"
+    assert open_store(f"memory://{name}/run").write_new("weights/LATEST", b"3")
+    whole = open_store(f"memory://{name}")
+    assert isinstance(whole, MemoryStore) and whole.url == f"memory://{name}"
+    assert whole.read("run/weights/LATEST") == b"3"
+    assert whole.child("run").url == f"memory://{name}/run"
+    assert open_store(f"memory://other-{name}").list() == []
+
+
+def test_glob_local_and_remote(store: ObjectStore, tmp_path: Path) -> None:
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    for rel in ["d/a.parquet", "d/b.parquet", "d/sub/c.parquet", "d/x.json"]:
+        (tmp_path / rel).write_bytes(rel.encode())
+    local = glob(str(tmp_path / "d" / "*.parquet"))
+    assert [m.url for m in local] == [str(tmp_path / "d" / n) for n in ("a.parquet", "b.parquet")]
+    assert local[0].size == len(b"d/a.parquet")
+    assert local[0].version == (tmp_path / "d" / "a.parquet").stat().st_mtime_ns
+    assert len(glob("file://" + str(tmp_path / "d" / "**" / "*.parquet"))) == 3
+    assert glob(str(tmp_path / "nothing-*")) == []
+
+    for key in ["data/a.parquet", "data/b.parquet", "data/sub/c.parquet", "data/x.json"]:
+        assert store.write_new(key, key.encode())
+    if isinstance(store, LocalStore):
+        matched = glob(store.url_of("data/*.parquet"))  # a file:// pattern: the filesystem's
+        assert [m.url for m in matched] == [store.path_of(f"data/{n}.parquet") for n in "ab"]
+        return
+    matched = glob(store.url_of("data/*.parquet"))  # remotely '*' also matches '/'
+    assert [m.url for m in matched] == [
+        store.url_of(k) for k in ("data/a.parquet", "data/b.parquet", "data/sub/c.parquet")
+    ]
+    _, generation = store.read_versioned("data/a.parquet")
+    assert (matched[0].size, matched[0].version) == (len(b"data/a.parquet"), generation)
+    assert glob(store.url_of("data/?.json")) == [
+        Match(
+            store.url_of("data/x.json"), len(b"data/x.json"), store.read_versioned("data/x.json")[1]
+        )
+    ]
+    assert [i.key for i in store.list_info("data/s")] == store.list("data/s")
+
+
+def test_open_parent(store: ObjectStore, tmp_path: Path) -> None:
+    url = store.url_of("out/rates.parquet")
+    parent, key = open_parent(url + "/")
+    assert parent.url_of(key) == url
+    assert parent.write_new(key, b"x")
+    assert store.read("out/rates.parquet") == b"x"
+    local, name = open_parent(str(tmp_path / "dir" / "f.bin"))
+    assert (local.url, name) == ("file://" + str(tmp_path / "dir"), "f.bin")
 
 
 # ----------------------------------------------------------------------------- races

@@ -286,9 +286,9 @@ def test_report_renders_every_metric_and_plot(small_run):
 
 
 def run_dir(run: Run):
-    from pathlib import Path
+    from pipeline.storage import local_path
 
-    return Path(run.store.url.removeprefix("file://"))
+    return local_path(run.store.url)
 
 
 def test_tensorboard_export_reads_back(small_run, tmp_path):

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from pipeline import launcher
 from pipeline.paramserver import ParamServer
 from pipeline.run import DONE_KEY
+from pipeline.storage import local_path
 from tests.local_servers import free_port
 from tests.runs import commit_with_random_rewards, final_tensors, plain_and_variants, wait_all
 
@@ -117,7 +118,7 @@ def two_process_trainer(tmp_path_factory) -> dict[str, Any]:
     (params, _), out["ckpt_meta"] = ckpt.restore_latest(reference.learner.template)
     out["restored"] = params_to_flat(fns, params["policy"])
     out["restored_devices"] = {len(x.sharding.device_set) for x in jax.tree.leaves(params)}
-    state_dir = Path(multi.store.url.removeprefix("file://")) / "checkpoints" / "2" / "state"
+    state_dir = local_path(multi.store.url) / "checkpoints" / "2" / "state"
     out["ckpt_writers"] = sorted(p.name for p in state_dir.glob("ocdbt.process_*"))
     return out
 
