@@ -343,13 +343,13 @@ def failure_text(name: str, returncode: int) -> str:
     return f"{name} exited with code {returncode}"
 
 
-def _pump(stream: IO[bytes], capture: list[str] | None, prefix: str) -> None:
+def _pump(stream: IO[bytes], capture: list[str] | None) -> None:
     """Copy the child's output to this process's stdout (a task log), line by line."""
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n")
         if capture is not None:
             capture.append(line)
-        print(prefix + line, flush=True)
+        print(line, flush=True)
 
 
 def stream(
@@ -374,7 +374,7 @@ def stream(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=job_env(), cwd=PROJECT_ROOT
     )
     assert proc.stdout is not None
-    reader = threading.Thread(target=_pump, args=(proc.stdout, capture, ""), daemon=True)
+    reader = threading.Thread(target=_pump, args=(proc.stdout, capture), daemon=True)
     reader.start()
     stopped: list[str] = []
     previous = None
