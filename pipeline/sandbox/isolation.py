@@ -12,6 +12,7 @@ What the command guarantees, and how:
   (`--disable-userns`), `no_new_privs` (bwrap sets it); on the host the sandbox runs as
   `nobody` when the caller is root, so that RLIMIT_NPROC applies (the kernel exempts
   processes whose host uid is root) and host file permissions apply as to a stranger;
+- a seccomp filter (`pipeline/sandbox/seccomp.py`) where the architecture has a table;
 - every process of a worker lives in its own PID namespace whose init is the worker, and
   `--die-with-parent` kills the namespace when the host side goes away.
 """
@@ -125,8 +126,9 @@ def _inside(path: str, roots: tuple[str, ...]) -> bool:
     return any(path == r or path.startswith(r + "/") for r in roots)
 
 
-def bwrap_command(limits: Limits, worker_source: str) -> list[str]:
-    """The argv that starts one worker (running `worker_source`) under `limits`' mounts."""
+def bwrap_command(limits: Limits, worker_source: str, seccomp_fd: int | None) -> list[str]:
+    """The argv that starts one worker (running `worker_source`) under `limits`' mounts,
+    with the seccomp filter that `seccomp_fd` holds (pass it to the child; None: none)."""
     python = interpreter()
     argv = [
         bwrap_path(),
@@ -160,6 +162,8 @@ def bwrap_command(limits: Limits, worker_source: str) -> list[str]:
     # bwrap's root is a tmpfs holding the mount points: read-only, or a run could write
     # /x or /usr/x there (and a later run in the same worker read them).
     argv += ["--remount-ro", "/"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     argv += [python.executable, "-I", "-S", "-c", worker_source]
     return argv
 

@@ -6,6 +6,7 @@ Every test runs a real program in a real bubblewrap sandbox and then looks at th
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.sandbox import STATUSES, ExecResult, Limits, execute
+from pipeline.sandbox import STATUSES, ExecResult, Limits, execute, seccomp
 from pipeline.sandbox.isolation import NOBODY, userns_forbidden
 from pipeline.sandbox.pool import Pool
 
@@ -216,6 +217,31 @@ print(open("/proc/self/status").read())
     assert host_uid == (NOBODY if os.geteuid() == 0 else os.geteuid())
 
 
+@pytest.mark.skipif(seccomp.program() is None, reason="no seccomp table for this architecture")
+def test_seccomp_refuses_kernel_surface_no_program_needs():
+    program = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+print([line for line in open("/proc/self/status") if line.startswith("Seccomp:")])
+for name, call in [("ptrace", lambda: libc.ptrace(0, 0, 0, 0)),  # PTRACE_TRACEME
+                   ("mount", lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)),
+                   ("keyctl", lambda: libc.syscall(250, 0, 0, 0, 0)),
+                   ("bpf", lambda: libc.syscall(321, 0, 0, 0))]:
+    ctypes.set_errno(0)
+    print(name, call(), ctypes.get_errno())
+"""
+    result = _run(program)
+    assert result.status == "ok", result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == str(["Seccomp:\t2\n"])  # filter mode
+    assert lines[1:] == [
+        f"{name} -1 {errno.EPERM}" for name in ("ptrace", "mount", "keyctl", "bpf")
+    ]
+    # A call through the x32 ABI would dodge the table's numbers: it kills the process.
+    x32 = _run("import ctypes; ctypes.CDLL(None).syscall(0x40000000 + 39)")
+    assert (x32.status, x32.returncode) == ("error", -signal.SIGSYS)
+
+
 def test_fork_bomb_is_limited_and_cleaned_up():
     token = uuid.uuid4().hex
     limited = f"""
@@ -262,11 +288,11 @@ def test_wall_clock_and_cpu_time_limits():
         start = time.monotonic()
         result = _run(program, timeout_s=1.0)
         assert result.status == "timeout" and result.returncode == -signal.SIGKILL
-        assert 1.0 <= result.wall_s < 1.5 and time.monotonic() - start < 2.5
-    # The CPU limit alone: a process that burns CPU stops at RLIMIT_CPU (SIGXCPU).
-    cpu = _run("while True: pass", limits=Limits(timeout_s=20, cpu_s=1))
+        assert 1.0 <= result.wall_s < 2.0 and time.monotonic() - start < 4.0
+    # The CPU limit alone: a process that burns CPU stops at RLIMIT_CPU (SIGXCPU), long
+    # before the wall clock would.
+    cpu = _run("while True: pass", limits=Limits(timeout_s=60, cpu_s=1))
     assert (cpu.status, cpu.returncode) == ("timeout", -signal.SIGXCPU)
-    assert cpu.wall_s < 5
 
 
 def test_file_size_limit():
@@ -294,7 +320,18 @@ if os.fork() == 0:
         os.execv("/proc/self/exe", ["python3", "-I", "-S", "-c",
                  "import time; time.sleep(60)  # {token}"])
     os._exit(0)
-time.sleep(1.5)
+def daemon_running():
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if b"{token}" in open(f"/proc/{{pid}}/cmdline", "rb").read():
+                return True
+        except OSError:
+            pass
+    return False
+deadline = time.monotonic() + 10
+while not daemon_running() and time.monotonic() < deadline:
+    time.sleep(0.01)
+time.sleep(0.3)  # long enough for the host to see it too
 print("parent leaves")
 """
     seen = []
