@@ -89,39 +89,38 @@ class Worker:
 
 
 class Pool:
-    """Up to `size` workers with the same mounts, started on demand and reused."""
+    """Up to `size` workers with the same mounts, started on demand and reused.
+
+    The queue holds one item per slot: an idle worker, or None for a slot whose worker is
+    not running (not started yet, or retired); whoever takes a None starts a worker.
+    """
 
     def __init__(self, limits: Limits, size: int) -> None:
         self.limits = limits
         self.size = size
-        self._idle: queue.Queue[Worker] = queue.Queue()
-        self._lock = threading.Lock()
-        self._live = 0
+        self._slots: queue.Queue[Worker | None] = queue.Queue()
+        for _ in range(size):
+            self._slots.put(None)
 
     def warm(self) -> None:
         """Start every worker now rather than on first use."""
         workers = [self._acquire() for _ in range(self.size)]
         for worker in workers:
-            self._idle.put(worker)
+            self._slots.put(worker)
 
     def _acquire(self) -> Worker:
-        with self._lock:
-            start_one = self._idle.empty() and self._live < self.size
-            if start_one:
-                self._live += 1
-        if not start_one:
-            return self._idle.get()
+        worker = self._slots.get()
+        if worker is not None:
+            return worker
         try:
             return Worker(self.limits)
         except BaseException:
-            with self._lock:
-                self._live -= 1
+            self._slots.put(None)
             raise
 
     def _retire(self, worker: Worker) -> None:
         worker.kill()
-        with self._lock:
-            self._live -= 1
+        self._slots.put(None)
 
     def execute(self, code: str, stdin: str, limits: Limits) -> ExecResult:
         """Run `code` in one of the workers under `limits`."""
@@ -147,21 +146,30 @@ class Pool:
                 status, -signal.SIGKILL, "", f"sandbox worker {why}", time.monotonic() - start
             )
         if reply["clean"]:
-            self._idle.put(worker)
+            self._slots.put(worker)
         else:
             self._retire(worker)
         return ExecResult(
             reply["status"], reply["returncode"], reply["stdout"], reply["stderr"], reply["wall_s"]
         )
 
+    def idle_workers(self) -> list[Worker]:
+        """The workers not running a program now (for inspection: they stay in the pool)."""
+        with self._slots.mutex:
+            return [w for w in self._slots.queue if w is not None]
+
     def close(self) -> None:
-        """Kill the idle workers (a run in flight keeps its worker until it returns)."""
-        while True:
+        """Kill the idle workers (a run in flight keeps its worker until it returns); the
+        pool starts new ones if used again."""
+        for _ in range(self._slots.qsize()):
             try:
-                worker = self._idle.get_nowait()
+                worker = self._slots.get_nowait()
             except queue.Empty:
                 return
-            self._retire(worker)
+            if worker is None:
+                self._slots.put(None)
+            else:
+                self._retire(worker)
 
 
 _POOLS: dict[tuple, Pool] = {}

@@ -131,7 +131,8 @@ except ImportError:
 
 def test_nothing_written_outlives_the_run():
     name = f"rlax-sandbox-{uuid.uuid4().hex}"
-    pool = Pool(Limits(), size=1)  # one worker, so the second run is sure to share it
+    pool = Pool(Limits(), size=1)  # one worker, so every run below goes to it
+    listing = "import os; print(os.listdir('/tmp'), os.listdir('/dev/shm'))"
     try:
         program = f"""
 import os
@@ -143,18 +144,45 @@ for path in ["/tmp/{name}", "/dev/shm/{name}", "/usr/{name}", "/{name}", "/dev/{
     except OSError as exc:
         print("refused", path, type(exc).__name__)
 os.makedirs("/tmp/{name}.d/sub")
-os.chmod("/tmp/{name}.d", 0)  # a directory its owner cannot list, to defeat the wipe
 """
         first = pool.execute(program, "", Limits())
         assert first.status == "ok", first.stderr
         assert first.stdout.count("wrote") == 2 and first.stdout.count("refused") == 3
-        after = pool.execute(
-            "import os; print(os.listdir('/tmp'), os.listdir('/dev/shm'))", "", Limits()
+        (worker,) = pool.idle_workers()
+        assert pool.execute(listing, "", Limits()).stdout == "[] []\n"
+        assert pool.idle_workers() == [worker]  # wiped, and kept
+        # A directory its owner cannot list defeats the wipe: the worker is replaced.
+        pool.execute(
+            f"import os; os.mkdir('/tmp/{name}'); os.chmod('/tmp/{name}', 0)", "", Limits()
         )
-        assert after.stdout == "[] []\n", after
+        assert pool.idle_workers() == []
+        assert pool.execute(listing, "", Limits()).stdout == "[] []\n"
+        assert pool.idle_workers() != [worker]
     finally:
         pool.close()
     assert not any(Path(p).exists() for p in (f"/tmp/{name}", f"/dev/shm/{name}", f"/{name}"))
+
+
+def test_a_caller_waiting_for_a_retired_workers_slot_gets_a_new_worker():
+    # Regression: retiring a worker once freed no slot, so a caller waiting on a full
+    # pool waited forever.
+    pool = Pool(Limits(), size=1)
+    dirty = "import os, time; os.mkdir('/tmp/d'); os.chmod('/tmp/d', 0); time.sleep(0.5)"
+    results = []
+    try:
+        first = threading.Thread(target=lambda: results.append(pool.execute(dirty, "", Limits())))
+        first.start()
+        time.sleep(0.2)  # the first run holds the only worker
+        second = threading.Thread(
+            target=lambda: results.append(pool.execute("print('served')", "", Limits()))
+        )
+        second.start()
+        first.join(10)
+        second.join(10)
+        assert not second.is_alive(), "the waiting caller was never served"
+    finally:
+        pool.close()
+    assert [r.stdout for r in results] == ["", "served\n"]
 
 
 def test_clean_environment(monkeypatch):
@@ -197,7 +225,7 @@ print(open("/proc/self/status").read())
     pool = Pool(Limits(), size=1)
     try:
         result = pool.execute(program, "", Limits())
-        worker = pool._idle.get_nowait()
+        (worker,) = pool.idle_workers()
         host_uid = int(
             next(
                 line.split()[1]
@@ -205,7 +233,6 @@ print(open("/proc/self/status").read())
                 if line.startswith("Uid:")
             )
         )
-        pool._idle.put(worker)
     finally:
         pool.close()
     assert result.status == "ok", result.stderr
@@ -359,9 +386,8 @@ def test_pool_survives_a_program_that_kills_its_parent():
             pool.execute(program, "", Limits())
             assert pool.execute("print('alive')", "", Limits()).stdout == "alive\n"
         # And when the worker does die (here killed from the host), the pool replaces it.
-        worker = pool._idle.get_nowait()
+        (worker,) = pool.idle_workers()
         os.killpg(worker.pid, signal.SIGKILL)
-        pool._idle.put(worker)
         died = pool.execute("print('lost')", "", Limits())
         assert died.status == "error" and "died" in died.stderr
         assert pool.execute("print('replaced')", "", Limits()).stdout == "replaced\n"
