@@ -32,7 +32,8 @@ class Limits:
     output_bytes: stdout and stderr together; past it the run is killed ("output_limit").
     open_files: RLIMIT_NOFILE.
     extra_ro_paths: absolute host paths bound read-only at the same place inside (for
-        example one package's site-packages directory for a verifier); default none.
+        example one package's site-packages directory for a verifier); default none. They
+        must be readable by the sandbox's host user: `nobody` when the caller is root.
     """
 
     timeout_s: float = 10.0

@@ -129,6 +129,33 @@ except ImportError:
     assert lines[-1] == "no numpy"
 
 
+def test_extra_read_only_paths_are_visible_and_read_only():
+    # Under the project, not tmp_path: pytest's /tmp/pytest-of-root is 0700, and a root
+    # caller's sandbox runs as nobody.
+    extra = ROOT / f".sandbox-extra-{uuid.uuid4().hex}"
+    extra.mkdir()
+    try:
+        (extra / "helper_mod.py").write_text("VALUE = 42\n")
+        extra.chmod(0o755)
+        program = f"""
+import sys
+sys.path.insert(0, {str(extra)!r})
+import helper_mod
+print(helper_mod.VALUE)
+try:
+    open({str(extra / "new.txt")!r}, "w")
+except OSError as exc:
+    print("read-only", exc.errno)
+"""
+        result = _run(program, limits=Limits(extra_ro_paths=(str(extra),)))
+    finally:
+        for path in extra.iterdir():
+            path.unlink()
+        extra.rmdir()
+    assert result.status == "ok", result.stderr
+    assert result.stdout == f"42\nread-only {errno.EROFS}\n"
+
+
 def test_nothing_written_outlives_the_run():
     name = f"rlax-sandbox-{uuid.uuid4().hex}"
     pool = Pool(Limits(), size=1)  # one worker, so every run below goes to it
