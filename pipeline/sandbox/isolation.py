@@ -19,15 +19,19 @@ What the command guarantees, and how:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from pipeline.sandbox import seccomp
 from pipeline.sandbox.limits import MIB, Limits
 from pipeline.sandbox.result import SandboxError
 
@@ -166,6 +170,20 @@ def bwrap_command(limits: Limits, worker_source: str, seccomp_fd: int | None) ->
         argv += ["--seccomp", str(seccomp_fd)]
     argv += [python.executable, "-I", "-S", "-c", worker_source]
     return argv
+
+
+@contextlib.contextmanager
+def launch(limits: Limits, source: str) -> Iterator[tuple[list[str], dict[str, Any]]]:
+    """The argv and `subprocess` keyword arguments (empty host environment, the seccomp
+    filter's fd, the host identity) that run `python -I -S -c source` in a sandbox; start
+    the process inside the `with` block: the filter's fd is closed when it ends."""
+    filter_fd = seccomp.program_fd()
+    try:
+        kwargs = {"env": {}, "pass_fds": () if filter_fd is None else (filter_fd,)}
+        yield bwrap_command(limits, source, filter_fd), kwargs | host_identity()
+    finally:
+        if filter_fd is not None:
+            os.close(filter_fd)
 
 
 # Kernel switches that forbid unprivileged user namespaces, with the value that forbids.

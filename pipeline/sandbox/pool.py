@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.sandbox import isolation, seccomp
+from pipeline.sandbox import isolation
 from pipeline.sandbox.limits import Limits
 from pipeline.sandbox.result import ExecResult, SandboxError
 from pipeline.sandbox.worker import read_frame, write_frame
@@ -35,21 +35,15 @@ class Worker:
     """One running sandbox."""
 
     def __init__(self, limits: Limits) -> None:
-        filter_fd = seccomp.program_fd()
-        try:
+        with isolation.launch(limits, WORKER_SOURCE) as (argv, kwargs):
             self.proc = subprocess.Popen(
-                isolation.bwrap_command(limits, WORKER_SOURCE, filter_fd),
+                argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env={},
                 start_new_session=True,
-                pass_fds=() if filter_fd is None else (filter_fd,),
-                **isolation.host_identity(),
+                **kwargs,
             )
-        finally:
-            if filter_fd is not None:
-                os.close(filter_fd)
         if self._reply(START_TIMEOUT_S) is None:
             self.kill()
             stderr = self.proc.stderr.read().decode(errors="replace").strip()
