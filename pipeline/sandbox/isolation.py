@@ -150,6 +150,12 @@ def bwrap_command(limits: Limits, worker_source: str, seccomp_fd: int | None) ->
     ]
     for name, value in ENVIRONMENT.items():
         argv += ["--setenv", name, value]
+    # The private /tmp, /dev and /dev/shm first: bwrap applies mounts in order, so a bind
+    # of a host path under /tmp (a project cloned there) made before them would be hidden.
+    size = str(limits.tmpfs_mb * MIB)
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+    argv += ["--size", size, "--tmpfs", "/tmp", "--chdir", "/tmp"]
     for path in (*python.ro_paths, *limits.extra_ro_paths):
         argv += ["--ro-bind", path, path]
     for path in python.hidden:
@@ -159,10 +165,6 @@ def bwrap_command(limits: Limits, worker_source: str, seccomp_fd: int | None) ->
             argv += ["--symlink", os.readlink(link), link]
         elif os.path.isdir(link):
             argv += ["--ro-bind", link, link]
-    size = str(limits.tmpfs_mb * MIB)
-    argv += ["--proc", "/proc", "--dev", "/dev"]
-    argv += ["--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
-    argv += ["--size", size, "--tmpfs", "/tmp", "--chdir", "/tmp"]
     # bwrap's root is a tmpfs holding the mount points: read-only, or a run could write
     # /x or /usr/x there (and a later run in the same worker read them).
     argv += ["--remount-ro", "/"]
