@@ -12,6 +12,9 @@ Importing this package starts nothing: the first `execute` starts the workers.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from pipeline.sandbox.isolation import IsolationUnavailable
 from pipeline.sandbox.limits import Limits
@@ -24,7 +27,9 @@ __all__ = [
     "IsolationUnavailable",
     "Limits",
     "SandboxError",
+    "Job",
     "execute",
+    "execute_many",
 ]
 
 
@@ -46,3 +51,30 @@ def execute(
     overrides = {"timeout_s": timeout_s, "memory_mb": memory_mb}
     limits = dataclasses.replace(limits, **{k: v for k, v in overrides.items() if v is not None})
     return pool_for(limits).execute(code, stdin, limits)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One program to run: its text, standard input and limits (None: `Limits()`)."""
+
+    code: str
+    stdin: str = ""
+    limits: Limits | None = None
+
+
+def execute_many(jobs: Sequence[Job], *, concurrency: int | None = None) -> list[ExecResult]:
+    """Run every job, up to `concurrency` at once (default: the pool's size, one per CPU),
+    and return their results in the jobs' order. Verifiers score a whole batch of
+    completions with one call, so the runs overlap instead of waiting on each other."""
+    if not jobs:
+        return []
+
+    def one(job: Job) -> ExecResult:
+        limits = job.limits or Limits()
+        return pool_for(limits).execute(job.code, job.stdin, limits)
+
+    width = concurrency or pool_for(jobs[0].limits or Limits()).size
+    if width <= 1 or len(jobs) == 1:
+        return [one(job) for job in jobs]
+    with ThreadPoolExecutor(max_workers=min(width, len(jobs))) as threads:
+        return list(threads.map(one, jobs))

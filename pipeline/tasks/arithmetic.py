@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.tasks.base import ANSWER_MARKER, Problem, Task, final_answer, make_problem
+from pipeline.tasks.base import ANSWER_MARKER, Problem, SyntheticTask, final_answer, make_problem
 
 if TYPE_CHECKING:
     from pipeline.config import SFTConfig, TaskConfig
@@ -169,7 +169,7 @@ def max_chars(width: int) -> int:
     return width * (8 + width) + 2 + width
 
 
-class ArithmeticTask(Task):
+class ArithmeticTask(SyntheticTask):
     name = "arithmetic"
 
     def sample_problem(self, rng: np.random.Generator, cfg: TaskConfig) -> Problem:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -88,9 +89,36 @@ def final_answer(completion: str, max_chars: int) -> str | None:
 
 
 class Task(ABC):
-    """A family of verifiable problems with a noisy teacher for the SFT bootstrap."""
+    """A verifiable task family: how to read a completion's answer and score it.
+
+    A family whose problems come from a dataset (math, code) needs only this; a synthetic
+    family is a `SyntheticTask`, which adds a problem generator and a noisy teacher.
+    """
 
     name: ClassVar[str]
+
+    @abstractmethod
+    def extract_answer(self, completion: str) -> str | None:
+        """The completion's final answer (maj@k votes on it), or None when it has none."""
+
+    @abstractmethod
+    def verify(self, problem: Problem, completion: str) -> float:
+        """Reward in REWARD_RANGE ([0, 1]). Never raises; model text runs only in the
+        sandbox (`pipeline.sandbox`), never in this process."""
+
+    def verify_batch(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[float]:
+        """`verify` of each pair; families that run a sandbox override it to run the whole
+        batch concurrently."""
+        return [self.verify(p, c) for p, c in zip(problems, completions, strict=True)]
+
+    def check_problem(self, problem: Problem) -> None:
+        """Raise ValueError naming what is missing when `problem` cannot be verified by
+        this family (curated data is checked before a run starts); default: anything goes."""
+        del problem
+
+
+class SyntheticTask(Task):
+    """A family that also generates its problems and demonstrates them (the SFT teacher)."""
 
     @abstractmethod
     def sample_problem(self, rng: np.random.Generator, cfg: TaskConfig) -> Problem:
@@ -101,14 +129,6 @@ class Task(ABC):
         self, problem: Problem, rng: np.random.Generator, sft_cfg: SFTConfig
     ) -> str:
         """A worked completion (without EOS) carrying the teacher's systematic mistakes."""
-
-    @abstractmethod
-    def extract_answer(self, completion: str) -> str | None:
-        """The final answer written after the last marker, or None when there is none."""
-
-    @abstractmethod
-    def verify(self, problem: Problem, completion: str) -> float:
-        """Reward in REWARD_RANGE ([0, 1]). Never raises, never executes anything."""
 
     @abstractmethod
     def max_completion_chars(self, cfg: TaskConfig) -> int:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipeline.tasks import expr
-from pipeline.tasks.base import ANSWER_MARKER, Problem, Task, final_answer, make_problem
+from pipeline.tasks.base import ANSWER_MARKER, Problem, SyntheticTask, final_answer, make_problem
 
 if TYPE_CHECKING:
     from pipeline.config import SFTConfig, TaskConfig
@@ -102,7 +102,7 @@ def solution_text(node: expr.BinOp) -> str:
     return f"{steps}{ANSWER_MARKER}{expr.to_str(node)}"
 
 
-class CountdownTask(Task):
+class CountdownTask(SyntheticTask):
     name = "countdown"
 
     def sample_problem(self, rng: np.random.Generator, cfg: TaskConfig) -> Problem:
