@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from beam_jobs import prompts
-from beam_jobs.answers import extract_gsm8k, extract_math
 from beam_jobs.text import normalize_text
+from pipeline.tasks.answers import extract_gsm8k, extract_math
 from pipeline.tasks.base import problem_id as make_problem_id
 
 # Rejection reasons produced here (reader-level ones live in beam_jobs.sources).

@@ -2,7 +2,7 @@
 
 import pytest
 
-from beam_jobs.answers import canonical_number, extract_gsm8k, extract_math
+from pipeline.tasks.answers import canonical_number, extract_gsm8k, extract_math
 
 
 @pytest.mark.parametrize(
