@@ -25,6 +25,8 @@ from pipeline import algorithms
 from pipeline.errors import ConfigError
 from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
+from pipeline.tasks import TASKS
+from pipeline.tasks.base import SyntheticTask
 
 TOKENIZER_NAMES = ("char", "hf")
 
@@ -106,21 +108,17 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class TaskConfig:
-    """Which verifiable task families make up the problem mix, and how hard they are."""
+class _TaskMix:
+    """Which verifiable task families make up the problem mix (the fields every run has);
+    `TaskConfig` adds one section per synthetic family, below."""
 
     families: tuple[str, ...] = ("arithmetic", "countdown")
     weights: tuple[float, ...] = (0.75, 0.25)
     seed: int = 0
     num_train: int = 20000
     num_eval: int = 500
-    min_digits: int = 2
-    max_digits: int = 6
-    countdown_numbers: int = 3
 
     def __post_init__(self) -> None:
-        from pipeline.tasks import TASKS  # the registry; light import
-
         _check(len(self.families) > 0, "task.families", self.families, "a non-empty list")
         for fam in self.families:
             _one_of("task.families", fam, TASKS)
@@ -133,19 +131,31 @@ class TaskConfig:
         _check(self.seed >= 0, "task.seed", self.seed, ">= 0")
         _check(self.num_train > 0, "task.num_train", self.num_train, "> 0")
         _check(self.num_eval > 0, "task.num_eval", self.num_eval, "> 0")
-        _check(self.min_digits >= 1, "task.min_digits", self.min_digits, ">= 1")
-        _check(
-            self.max_digits >= self.min_digits,
-            "task.max_digits",
-            self.max_digits,
-            f">= min_digits={self.min_digits}",
-        )
-        _check(
-            2 <= self.countdown_numbers <= 5,
-            "task.countdown_numbers",
-            self.countdown_numbers,
-            "2..5",
-        )
+
+    def options_for(self, family: str) -> Any:
+        """The `task.<family>` options of a synthetic family (its `Options` dataclass)."""
+        return getattr(self, family)
+
+
+def _task_config_class() -> type:
+    """TaskConfig: the mix's fields plus a section `task.<name>` of the family's own
+    `Options` type for every registered synthetic family, so a family declares its options
+    in one place (its module) and registering it is all the config needs."""
+    sections = [
+        (name, task.Options, field(default_factory=task.Options))
+        for name, task in sorted(TASKS.items())
+        if isinstance(task, SyntheticTask)
+    ]
+    cls = dataclasses.make_dataclass("TaskConfig", sections, bases=(_TaskMix,), frozen=True)
+    cls.__module__ = __name__  # pickles (Beam, multiprocessing) find it here
+    cls.__doc__ = (
+        "Which verifiable task families make up the problem mix, and each synthetic "
+        f"family's options: task.{{{', '.join(name for name, _, _ in sections)}}}."
+    )
+    return cls
+
+
+TaskConfig = _task_config_class()
 
 
 @dataclass(frozen=True)
@@ -163,10 +173,6 @@ class SFTConfig:
     # some and far past it on others, a target stops each run at the same quality.
     target_loss: float = 0.0
     check_every: int = 25
-    # The teacher's systematic mistake: each carry is dropped with this probability.
-    carry_drop_prob: float = 0.4
-    # Fraction of countdown demonstrations whose final step is wrong.
-    countdown_error_prob: float = 0.3
     # Learning to judge (rollout.judge_fraction): this fraction of the demonstrations are
     # followed by the verification suffix and a verdict (pipeline/tasks/judge.py), so the
     # base model knows the verdict format and RL's judge groups get verdicts to reward (an
@@ -188,13 +194,6 @@ class SFTConfig:
         _check(self.weight_decay >= 0, "sft.weight_decay", self.weight_decay, ">= 0")
         _check(self.target_loss >= 0, "sft.target_loss", self.target_loss, ">= 0 (0: off)")
         _check(self.check_every >= 1, "sft.check_every", self.check_every, ">= 1")
-        _check(0 <= self.carry_drop_prob < 1, "sft.carry_drop_prob", self.carry_drop_prob, "[0, 1)")
-        _check(
-            0 <= self.countdown_error_prob < 1,
-            "sft.countdown_error_prob",
-            self.countdown_error_prob,
-            "[0, 1)",
-        )
         _check(0 <= self.judge_fraction <= 1, "sft.judge_fraction", self.judge_fraction, "[0, 1]")
         _one_of("sft.judge_labels", self.judge_labels, ("random", "verifier", "balanced"))
 
@@ -419,6 +418,9 @@ class TrainerConfig:
 # keeps loading (and resuming: see RunConfig.digest).
 MIGRATIONS: dict[type, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
     TrainerConfig: _fold_loss_keys,
+    # A TaskConfig built alone from an old-shaped mapping (RunConfig's entry moves the
+    # SFT keys too).
+    TaskConfig: lambda data: _move_keys({"task": data}).get("task", {}),
 }
 
 
@@ -608,8 +610,61 @@ class RunConfig:
         with a default leaves the digest of every existing config unchanged, so runs
         created before it still resume.
         """
-        blob = json.dumps(_non_defaults(self), sort_keys=True, default=list).encode()
+        settings = _non_defaults(self)
+        for old, new in MOVED_KEYS.items():  # digested where they were: old runs resume
+            value = _pop_path(settings, new)
+            if value is not _ABSENT:
+                settings.setdefault(old[0], {})[old[1]] = value
+        blob = json.dumps(settings, sort_keys=True, default=list).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# Keys that moved, old place -> today's: the family options once lived in the global task
+# and SFT sections. Old configs (and config.json files) load through `_move_keys`.
+MOVED_KEYS: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("task", "min_digits"): ("task", "arithmetic", "min_digits"),
+    ("task", "max_digits"): ("task", "arithmetic", "max_digits"),
+    ("task", "countdown_numbers"): ("task", "countdown", "numbers"),
+    ("sft", "carry_drop_prob"): ("task", "arithmetic", "carry_drop_prob"),
+    ("sft", "countdown_error_prob"): ("task", "countdown", "error_prob"),
+}
+_ABSENT = object()
+
+
+def _pop_path(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """Remove and return tree[path[0]][path[1]]...; drop sections left empty."""
+    node = tree.get(path[0], _ABSENT)
+    if len(path) == 1:
+        return tree.pop(path[0], _ABSENT)
+    if not isinstance(node, dict):
+        return _ABSENT
+    value = _pop_path(node, path[1:])
+    if not node:
+        del tree[path[0]]
+    return value
+
+
+def _move_keys(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A run config mapping with the MOVED_KEYS in today's places (idempotent)."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+    for old, new in MOVED_KEYS.items():
+        value = _pop_path(out, old)
+        if value is _ABSENT:
+            continue
+        section = out.setdefault(new[0], {}).setdefault(new[1], {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"{new[0]}.{new[1]} must be a mapping, got {section!r}")
+        section = out[new[0]][new[1]] = dict(section)
+        if new[2] in section and section[new[2]] != value:
+            raise ConfigError(
+                f"{'.'.join(old)}={value!r} (its old name) and {'.'.join(new)}="
+                f"{section[new[2]]!r} disagree; set only {'.'.join(new)}"
+            )
+        section[new[2]] = value
+    return out
+
+
+MIGRATIONS[RunConfig] = _move_keys
 
 
 def _non_defaults(config: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pipeline.config import ConfigError
 from pipeline.layout import CURATED_PREFIX
 from pipeline.run import CONFIG_KEY, Run
+from pipeline.tasks import get_task
 from pipeline.tasks.base import Problem
 
 
@@ -48,7 +49,8 @@ def read_curated(store, split: str) -> list[Problem]:
 
 
 def check_families(problems: Sequence[Problem], families: Sequence[str], where: str) -> None:
-    """Refuse problems of a task family the run has no verifier for, naming them."""
+    """Refuse problems of a task family the run has no verifier for, and problems their
+    family's verifier cannot score (a code problem with no tests), naming them."""
     unknown = Counter(p.task for p in problems if p.task not in families)
     if unknown:
         raise ValueError(
@@ -56,6 +58,15 @@ def check_families(problems: Sequence[Problem], families: Sequence[str], where: 
             f"{dict(unknown)} have no verifier in this run; allowed families: "
             f"{', '.join(families)} (set task_families / task.families)"
         )
+    bad = []
+    for p in problems:
+        try:
+            get_task(p.task).check_problem(p)
+        except ValueError as err:
+            bad.append(str(err))
+    if bad:
+        shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ValueError(f"{where}: {len(bad)} problems cannot be verified: {shown}")
 
 
 def write_curated_data(

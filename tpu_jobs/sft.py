@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +27,10 @@ import numpy as np
 import optax
 
 from pipeline.run import BASE_PREFIX, Run, base_server
-from pipeline.tasks import get_task
+from pipeline.tasks import TASKS
+from pipeline.tasks.base import SyntheticTask
 from pipeline.tasks.judge import verdict_text
+from pipeline.tasks.mix import synthetic_task
 from tpu_jobs.batching import pack_rows, round_up
 from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import judged_completion_len, suffix_ids
@@ -38,22 +39,22 @@ from tpu_jobs.state import make_optimizer, new_model, params_to_flat
 BALANCED_TRIES = 16  # teacher draws per demonstration to find a wrong solution
 
 
-def label_by_coin(task, problem, text, coin, rng, sft_cfg) -> tuple[str, str]:
+def label_by_coin(task, problem, text, coin, rng, options) -> tuple[str, str]:
     """sft.judge_labels="random": the demonstration as drawn, a fair-coin verdict."""
     return text, verdict_text(coin)
 
 
-def label_by_verifier(task, problem, text, coin, rng, sft_cfg) -> tuple[str, str]:
+def label_by_verifier(task, problem, text, coin, rng, options) -> tuple[str, str]:
     """sft.judge_labels="verifier": the demonstration as drawn, the verifier's verdict."""
     return text, verdict_text(task.verify(problem, text) >= 1.0)
 
 
-def label_balanced(task, problem, text, coin, rng, sft_cfg) -> tuple[str, str]:
+def label_balanced(task, problem, text, coin, rng, options) -> tuple[str, str]:
     """sft.judge_labels="balanced": the coin picks a correct solution (the teacher without
     its mistakes) or a wrong one (noisy teacher draws until one is wrong, at most
     BALANCED_TRIES; a problem where the teacher cannot err keeps a correct one), and the
     verifier labels it, so the verdict is independent of the problem's difficulty."""
-    teacher = replace(sft_cfg, carry_drop_prob=0.0, countdown_error_prob=0.0) if coin else sft_cfg
+    teacher = task.noiseless(options) if coin else options
     for _ in range(1 if coin else BALANCED_TRIES):
         text = task.teacher_solution(problem, rng, teacher)
         correct = task.verify(problem, text) >= 1.0
@@ -62,7 +63,7 @@ def label_balanced(task, problem, text, coin, rng, sft_cfg) -> tuple[str, str]:
     return text, verdict_text(correct)
 
 
-# sft.judge_labels -> (task, problem, drawn text, coin, rng, sft config) -> (text, verdict)
+# sft.judge_labels -> (task, problem, drawn text, coin, rng, family options) -> (text, verdict)
 JUDGE_LABELS = {"random": label_by_coin, "verifier": label_by_verifier, "balanced": label_balanced}
 
 
@@ -78,12 +79,13 @@ def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completio
     prompts, completions = [], []
     for row, i in enumerate(idx):
         p = problems[i]
-        task = get_task(p.task)
-        text = task.teacher_solution(p, rng, cfg.sft)
+        task = synthetic_task(p.task)
+        options = cfg.task.options_for(p.task)
+        text = task.teacher_solution(p, rng, options)
         prompts.append(tok.encode_prompt(p.prompt))
         if judge_fraction > 0 and judged[row]:
             label = JUDGE_LABELS[cfg.sft.judge_labels]
-            text, verdict = label(task, p, text, bool(coins[row]), jrng, cfg.sft)
+            text, verdict = label(task, p, text, bool(coins[row]), jrng, options)
             completions.append(
                 [*tok.encode(text), *suffix_ids(tok), *tok.encode_completion(verdict)]
             )
@@ -110,6 +112,13 @@ def train_sft(run: Run) -> dict[str, float]:
         return {}
     tok = run_tokenizer(run)
     problems = run.read_problems("train")
+    no_teacher = sorted({p.task for p in problems if not isinstance(TASKS[p.task], SyntheticTask)})
+    if no_teacher:
+        raise ValueError(
+            f"the SFT bootstrap needs a teacher, and task families {no_teacher} of run "
+            f"{run.url} come from a dataset with no teacher: start from a pretrained model "
+            "instead (`rlax import-hf`, or the DAG's hf_checkpoint param)"
+        )
     prompt_len = round_up(max(len(tok.encode_prompt(p.prompt)) for p in problems), 8)
     completion_len = cfg.sampler.max_new_tokens
     if sc.judge_fraction > 0:  # room for the suffix and the verdict

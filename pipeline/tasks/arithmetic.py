@@ -62,14 +62,13 @@ accuracy of 0.11 and a perfect imitator's pass@8 of 0.54 on arithmetic.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
+from pipeline.errors import check
 from pipeline.tasks.base import ANSWER_MARKER, Problem, SyntheticTask, final_answer, make_problem
-
-if TYPE_CHECKING:
-    from pipeline.config import SFTConfig, TaskConfig
 
 ADD_FRACTION = 0.7
 DIGIT_WEIGHTS = np.arange(1, 11, dtype=np.float64) ** 2  # digit d -> (d+1)^2
@@ -97,7 +96,7 @@ _LEAD_CDF = _cdf(DIGIT_WEIGHTS[1:])
 _MULT_CDF = _cdf(MULTIPLIER_WEIGHTS)
 
 
-def sample_operand(rng: np.random.Generator, cfg: TaskConfig) -> int:
+def sample_operand(rng: np.random.Generator, cfg: ArithmeticOptions) -> int:
     """Length L in [min_digits, max_digits] with weight (L - min_digits + 1)^2, a non-zero
     leading digit, digits d with weight (d+1)^2."""
     span = cfg.max_digits - cfg.min_digits + 1
@@ -169,13 +168,39 @@ def max_chars(width: int) -> int:
     return width * (8 + width) + 2 + width
 
 
+@dataclass(frozen=True)
+class ArithmeticOptions:
+    """`task.arithmetic.*`: operand lengths, and the teacher's carry-drop probability."""
+
+    min_digits: int = 2
+    max_digits: int = 6
+    carry_drop_prob: float = 0.4  # the teacher drops each non-zero carry this often
+
+    def __post_init__(self) -> None:
+        check(self.min_digits >= 1, "task.arithmetic.min_digits", self.min_digits, ">= 1")
+        check(
+            self.max_digits >= self.min_digits,
+            "task.arithmetic.max_digits",
+            self.max_digits,
+            f">= min_digits={self.min_digits}",
+        )
+        check(
+            0 <= self.carry_drop_prob < 1,
+            "task.arithmetic.carry_drop_prob",
+            self.carry_drop_prob,
+            "[0, 1)",
+        )
+
+
 class ArithmeticTask(SyntheticTask):
     name = "arithmetic"
+    Options: ClassVar[type] = ArithmeticOptions
+    NOISE_FIELDS = ("carry_drop_prob",)
 
-    def sample_problem(self, rng: np.random.Generator, cfg: TaskConfig) -> Problem:
+    def sample_problem(self, rng: np.random.Generator, cfg: ArithmeticOptions) -> Problem:
         if cfg.max_digits > len(PLACES):
             raise ValueError(
-                f"task.max_digits={cfg.max_digits} is too large for arithmetic; "
+                f"task.arithmetic.max_digits={cfg.max_digits} is too large for arithmetic; "
                 f"allowed: at most {len(PLACES)} (one place letter per column)"
             )
         a = sample_operand(rng, cfg)
@@ -206,12 +231,12 @@ class ArithmeticTask(SyntheticTask):
         return make_problem(self.name, prompt_text(op, a, b), str(answer), meta)
 
     def teacher_solution(
-        self, problem: Problem, rng: np.random.Generator, sft_cfg: SFTConfig
+        self, problem: Problem, rng: np.random.Generator, options: ArithmeticOptions
     ) -> str:
         op, a, b = problem.meta["op"], int(problem.meta["a"]), int(problem.meta["b"])
         n = len(str(max(a, b))) if op == "+" else len(str(a))
         # One draw per column, used only where that column's carry-out is non-zero.
-        drop = rng.random(n) < sft_cfg.carry_drop_prob
+        drop = rng.random(n) < options.carry_drop_prob
         return render(op, *columns(op, a, b, drop), int(problem.meta["width"]))
 
     def extract_answer(self, completion: str) -> str | None:
@@ -223,5 +248,5 @@ class ArithmeticTask(SyntheticTask):
             return 0.0
         return 1.0 if int(text) == int(problem.answer) else 0.0
 
-    def max_completion_chars(self, cfg: TaskConfig) -> int:
+    def max_completion_chars(self, cfg: ArithmeticOptions) -> int:
         return max_chars(cfg.max_digits)

@@ -8,17 +8,15 @@ Verifiers never raise and never execute model text.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from pipeline.config import SFTConfig, TaskConfig
 
 ANSWER_MARKER = "#"
 # Every verifier's reward lies here (`Task.verify`); the trainer refuses batches outside it.
@@ -118,18 +116,29 @@ class Task(ABC):
 
 
 class SyntheticTask(Task):
-    """A family that also generates its problems and demonstrates them (the SFT teacher)."""
+    """A family that also generates its problems and demonstrates them (the SFT teacher).
+
+    `Options` is the family's own frozen dataclass of generator and teacher options, in
+    one place: the run config gets a section `task.<name>` of that type for every
+    registered synthetic family (`pipeline.config.TaskConfig`), validated by the
+    dataclass itself. `NOISE_FIELDS` name the options that make the teacher err.
+    """
+
+    Options: ClassVar[type]
+    NOISE_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
-    def sample_problem(self, rng: np.random.Generator, cfg: TaskConfig) -> Problem:
+    def sample_problem(self, rng: np.random.Generator, options: Any) -> Problem:
         """One random problem (deterministic given the generator state)."""
 
     @abstractmethod
-    def teacher_solution(
-        self, problem: Problem, rng: np.random.Generator, sft_cfg: SFTConfig
-    ) -> str:
+    def teacher_solution(self, problem: Problem, rng: np.random.Generator, options: Any) -> str:
         """A worked completion (without EOS) carrying the teacher's systematic mistakes."""
 
     @abstractmethod
-    def max_completion_chars(self, cfg: TaskConfig) -> int:
-        """An upper bound on the length of any teacher completion under `cfg`."""
+    def max_completion_chars(self, options: Any) -> int:
+        """An upper bound on the length of any teacher completion under `options`."""
+
+    def noiseless(self, options: Any) -> Any:
+        """`options` with the teacher's mistakes turned off (a perfect demonstration)."""
+        return dataclasses.replace(options, **dict.fromkeys(self.NOISE_FIELDS, 0.0))

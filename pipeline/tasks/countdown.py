@@ -24,16 +24,15 @@ the final expression follow the slip, so the teacher's answer is always wrong.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
 import numpy as np
 
+from pipeline.errors import check
 from pipeline.tasks import expr
 from pipeline.tasks.base import ANSWER_MARKER, Problem, SyntheticTask, final_answer, make_problem
-
-if TYPE_CHECKING:
-    from pipeline.config import SFTConfig, TaskConfig
 
 SMALL = (1, 20)
 LARGE = (21, 50)
@@ -102,11 +101,26 @@ def solution_text(node: expr.BinOp) -> str:
     return f"{steps}{ANSWER_MARKER}{expr.to_str(node)}"
 
 
+@dataclass(frozen=True)
+class CountdownOptions:
+    """`task.countdown.*`: how many numbers a problem gives, and how often the teacher's
+    final step is wrong."""
+
+    numbers: int = 3
+    error_prob: float = 0.3
+
+    def __post_init__(self) -> None:
+        check(2 <= self.numbers <= 5, "task.countdown.numbers", self.numbers, "2..5")
+        check(0 <= self.error_prob < 1, "task.countdown.error_prob", self.error_prob, "[0, 1)")
+
+
 class CountdownTask(SyntheticTask):
     name = "countdown"
+    Options: ClassVar[type] = CountdownOptions
+    NOISE_FIELDS = ("error_prob",)
 
-    def sample_problem(self, rng: np.random.Generator, cfg: TaskConfig) -> Problem:
-        k = cfg.countdown_numbers
+    def sample_problem(self, rng: np.random.Generator, cfg: CountdownOptions) -> Problem:
+        k = cfg.numbers
         for _ in range(MAX_TRIES):
             nums = [int(x) for x in rng.integers(SMALL[0], SMALL[1] + 1, size=k)]
             if rng.random() < LARGE_PROB:
@@ -137,12 +151,12 @@ class CountdownTask(SyntheticTask):
         return make_problem(self.name, prompt, solution, {"numbers": nums, "target": target})
 
     def teacher_solution(
-        self, problem: Problem, rng: np.random.Generator, sft_cfg: SFTConfig
+        self, problem: Problem, rng: np.random.Generator, options: CountdownOptions
     ) -> str:
         tree = expr.parse(problem.answer)
         if not isinstance(tree, expr.BinOp):  # one number: nothing to compute
             return f"{ANSWER_MARKER}{problem.answer}"
-        if rng.random() < sft_cfg.countdown_error_prob:
+        if rng.random() < options.error_prob:
             tree = slip(tree)
         return solution_text(tree)
 
@@ -162,8 +176,8 @@ class CountdownTask(SyntheticTask):
         ok = used == sorted(problem.meta["numbers"]) and value == problem.meta["target"]
         return 1.0 if ok else 0.0
 
-    def max_completion_chars(self, cfg: TaskConfig) -> int:
-        k = cfg.countdown_numbers
+    def max_completion_chars(self, cfg: CountdownOptions) -> int:
+        k = cfg.numbers
         w = len(str(MAX_VALUE))
         # k-1 steps "a op b=r," (the slipped result may reach 2*MAX_VALUE or go negative),
         # the marker, then k numbers of <= 2 digits, k-1 ops and <= k-2 pairs of parentheses.

@@ -125,9 +125,9 @@ BAD_VALUES = {
     "task.seed": -3,
     "task.num_train": 0,
     "task.num_eval": 0,
-    "task.min_digits": 0,
-    "task.max_digits": 0,  # below min_digits
-    "task.countdown_numbers": 9,
+    "task.arithmetic.min_digits": 0,
+    "task.arithmetic.max_digits": 0,  # below min_digits
+    "task.countdown.numbers": 9,
     "task.weights": "[-1, 1]",
     "sft.steps": -1,
     "sft.batch_size": 0,
@@ -136,8 +136,8 @@ BAD_VALUES = {
     "sft.weight_decay": -0.1,
     "sft.target_loss": ".nan",
     "sft.check_every": 0,
-    "sft.carry_drop_prob": 1.0,
-    "sft.countdown_error_prob": -0.5,
+    "task.arithmetic.carry_drop_prob": 1.0,
+    "task.countdown.error_prob": -0.5,
     "sft.judge_fraction": 2,
     "sampler.temperature": -1,
     "sampler.top_k": -1,
@@ -335,3 +335,42 @@ def test_loss_overrides_two_spellings_and_layers(tmp_path):
     with pytest.raises(ConfigError, match="unknown loss hyper-parameter 'trainer.clip'"):
         load_config(None, ["trainer.loss.clip=0.1"])
     assert TrainerConfig().replace(kl_coef=0, steps=3).loss == {"kl_coef": 0.0}
+
+
+def test_family_options_live_in_their_own_sections_and_old_spellings_still_load():
+    new = load_config(
+        "configs/tiny.yaml", ["task.arithmetic.max_digits=3", "task.arithmetic.carry_drop_prob=0.2"]
+    )
+    old = load_config("configs/tiny.yaml", ["task.max_digits=3", "sft.carry_drop_prob=0.2"])
+    assert old == new and old.task.arithmetic.max_digits == 3
+    assert new.task.options_for("arithmetic").carry_drop_prob == 0.2
+    # Digested where the keys used to live, so runs created before the move still resume:
+    # the hash of {"task": {"max_digits": 3}, ...} as the earlier `digest` computed it.
+    settings = {"sft": {"carry_drop_prob": 0.2}, "task": {"max_digits": 3}}
+    tiny = load_config("configs/tiny.yaml")
+    import hashlib
+
+    from pipeline.config import _non_defaults
+
+    base = _non_defaults(tiny)
+    arith = base["task"].pop("arithmetic")
+    base["task"].update(arith)  # tiny.yaml's own digit range, in the old places
+    base["task"]["max_digits"] = 3
+    base.setdefault("sft", {}).update(settings["sft"])
+    blob = json.dumps(base, sort_keys=True, default=list).encode()
+    assert new.digest() == hashlib.sha256(blob).hexdigest()[:16]
+    with pytest.raises(ConfigError, match="task.max_digits=3 .* disagree"):
+        load_config(None, extra={"task": {"max_digits": 3, "arithmetic": {"max_digits": 4}}})
+
+
+def test_dataset_families_have_no_generator_and_say_where_problems_come_from():
+    from pipeline.tasks import TASKS
+    from pipeline.tasks.base import SyntheticTask
+    from pipeline.tasks.mix import synthetic_task
+
+    assert synthetic_task("arithmetic").name == "arithmetic"
+    dataset = [n for n, t in TASKS.items() if not isinstance(t, SyntheticTask)]
+    for name in dataset:
+        with pytest.raises(ValueError, match="no problem generator.*source_data"):
+            synthetic_task(name)
+        assert not hasattr(TaskConfig(), name)  # no options section for it

@@ -25,6 +25,7 @@ from pipeline.paramserver import ParamServer
 from pipeline.problem_sets import write_data
 from pipeline.run import DONE_KEY, Run
 from pipeline.storage import open_store
+from pipeline.tasks.arithmetic import ArithmeticOptions
 from pipeline.tasks.mix import build_splits
 from tests.dags.conftest import ROOT
 
@@ -51,8 +52,7 @@ def _new_problems(families=("arithmetic",), seed=7, n=60):
         num_train=n,
         num_eval=5,
         seed=seed,
-        min_digits=2,
-        max_digits=3,
+        arithmetic=ArithmeticOptions(min_digits=2, max_digits=3),
     )
     return build_splits(cfg)[0]
 

@@ -17,12 +17,13 @@ TINY = {"config_file": "configs/tiny.yaml", "storage_root": "runs"}
 
 def _problems(n: int, seed: int = 3):
     from pipeline.config import TaskConfig
+    from pipeline.tasks.arithmetic import ArithmeticOptions
     from pipeline.tasks.mix import build_splits
 
     return build_splits(
         TaskConfig(
             families=("arithmetic",), weights=(1.0,), num_train=n, num_eval=5, seed=seed,
-            min_digits=2, max_digits=3,
+            arithmetic=ArithmeticOptions(min_digits=2, max_digits=3),
         )
     )[0]  # fmt: skip
 

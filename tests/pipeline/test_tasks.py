@@ -1,17 +1,29 @@
 import json
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
-from pipeline.config import ConfigError, SFTConfig, TaskConfig
+from pipeline.config import ConfigError, TaskConfig, from_dict
 from pipeline.tasks import TASKS, UnknownTaskError, expr, get_task
-from pipeline.tasks.arithmetic import ArithmeticTask, columns, render
+from pipeline.tasks.arithmetic import ArithmeticOptions, ArithmeticTask, columns, render
 from pipeline.tasks.base import Problem, problem_id
-from pipeline.tasks.countdown import CountdownTask, slip, solution_text
+from pipeline.tasks.countdown import CountdownOptions, CountdownTask, slip, solution_text
 from pipeline.tasks.mix import build_splits
 
-CLEAN = SFTConfig(carry_drop_prob=0.0, countdown_error_prob=0.0)
+# The teachers without their mistakes.
+CLEAN = {
+    "arithmetic": ArithmeticOptions(carry_drop_prob=0.0),
+    "countdown": CountdownOptions(error_prob=0.0),
+}
+
+
+def tc(**fields):
+    """A TaskConfig from fields in either spelling (`min_digits` or `arithmetic.min_digits`)."""
+    return from_dict(TaskConfig, fields)
+
+
 ARITH: ArithmeticTask = TASKS["arithmetic"]
 COUNT: CountdownTask = TASKS["countdown"]
 
@@ -30,7 +42,7 @@ def ref_carries(op: str, a: int, b: int) -> int:
 def sample(task, n, seed, cfg=None):
     rng = np.random.default_rng(seed)
     cfg = cfg or TaskConfig()
-    return [task.sample_problem(rng, cfg) for _ in range(n)]
+    return [task.sample_problem(rng, cfg.options_for(task.name)) for _ in range(n)]
 
 
 # ----------------------------------------------------------------- registry & problems
@@ -68,15 +80,15 @@ def test_arithmetic_hand_checked_completions():
     p = ARITH.make("+", 4567, 123, width=6)
     assert (p.prompt, p.answer) == ("d4c5b6a7+c1b2a3=", "4690")
     rng = np.random.default_rng(0)
-    assert ARITH.teacher_solution(p, rng, CLEAN) == (
+    assert ARITH.teacher_solution(p, rng, CLEAN["arithmetic"]) == (
         "a7+3+0=10     b6+2+1=090    c5+1+0=0690   d4+0+0=04690  # 4690"
     )
     p = ARITH.make("+", 99, 1)  # width defaults to the number of columns
     assert p.prompt == "b9a9+a1=" and p.meta["width"] == 2 and p.meta["carries"] == 2
-    assert ARITH.teacher_solution(p, rng, CLEAN) == "a9+1+0=10 b9+0+1=100#100"
+    assert ARITH.teacher_solution(p, rng, CLEAN["arithmetic"]) == "a9+1+0=10 b9+0+1=100#100"
     p = ARITH.make("*", 4567, 8, width=6)
     assert (p.prompt, p.answer) == ("d4c5b6a7*8=", "36536")
-    assert ARITH.teacher_solution(p, rng, CLEAN) == (
+    assert ARITH.teacher_solution(p, rng, CLEAN["arithmetic"]) == (
         "a7*8+0=56     b6*8+5=536    c5*8+5=4536   d4*8+4=36536  #36536"
     )
     assert p.meta["carries"] == 4
@@ -98,7 +110,7 @@ def test_countdown_hand_checked_completions():
     p = COUNT.make([12, 3, 7], "3*7+12")
     assert p.prompt == "3,7,12 to 33:" and p.meta == {"numbers": [3, 7, 12], "target": 33}
     rng = np.random.default_rng(0)
-    assert COUNT.teacher_solution(p, rng, CLEAN) == "3*7=21,21+12=33#3*7+12"
+    assert COUNT.teacher_solution(p, rng, CLEAN["countdown"]) == "3*7=21,21+12=33#3*7+12"
     assert solution_text(slip(expr.parse("3*7+12"))) == "3*7=21,21-12=9#3*7-12"
     assert solution_text(expr.parse("16*(17-9)")) == "17-9=8,16*8=128#16*(17-9)"
     # '*' slips to '+', except where that keeps the value (2*2 = 2+2), then to '-'.
@@ -106,7 +118,7 @@ def test_countdown_hand_checked_completions():
     assert solution_text(slip(expr.parse("2*2"))) == "2-2=0#2-2"
     # '/' slips to '-', or to '+' where 4/2 = 4-2.
     assert solution_text(slip(expr.parse("4/2"))) == "4+2=6#4+2"
-    always = SFTConfig(countdown_error_prob=0.999999)
+    always = CountdownOptions(error_prob=0.999999)
     assert COUNT.teacher_solution(p, rng, always) == "3*7=21,21-12=9#3*7-12"
     with pytest.raises(ValueError, match="must use exactly"):
         COUNT.make([3, 7], "3*7+12")
@@ -163,7 +175,7 @@ def test_splits_deterministic_disjoint_unique_and_weighted():
 
 
 def test_splits_fail_clearly_when_the_space_is_too_small():
-    cfg = TaskConfig(
+    cfg = tc(
         families=("arithmetic",),
         weights=(1.0,),
         min_digits=1,
@@ -176,7 +188,7 @@ def test_splits_fail_clearly_when_the_space_is_too_small():
 
 
 def test_arithmetic_sampling_distribution():
-    cfg = TaskConfig(min_digits=2, max_digits=6)
+    cfg = tc(min_digits=2, max_digits=6)
     probs = sample(ARITH, 4000, seed=11, cfg=cfg)
     adds = [p for p in probs if p.meta["op"] == "+"]
     assert abs(len(adds) / len(probs) - 0.7) < 0.03
@@ -196,9 +208,9 @@ def test_arithmetic_sampling_distribution():
 def test_error_free_teacher_always_verifies(name):
     task = TASKS[name]
     rng = np.random.default_rng(1)
-    for cfg in (TaskConfig(), TaskConfig(min_digits=1, max_digits=8, countdown_numbers=5)):
+    for cfg in (TaskConfig(), tc(min_digits=1, max_digits=8, countdown_numbers=5)):
         for p in sample(task, 1000, seed=2, cfg=cfg):
-            text = task.teacher_solution(p, rng, CLEAN)
+            text = task.teacher_solution(p, rng, CLEAN[name])
             assert task.verify(p, text) == 1.0, (p.prompt, text)
             assert task.extract_answer(text) == (
                 p.answer if name == "arithmetic" else text.split("#")[-1]
@@ -207,7 +219,7 @@ def test_error_free_teacher_always_verifies(name):
 
 def test_noisy_arithmetic_teacher_error_rate_matches_the_carry_counts():
     p_drop = 0.4
-    sft = SFTConfig(carry_drop_prob=p_drop)
+    sft = ArithmeticOptions(carry_drop_prob=p_drop)
     probs = sample(ARITH, 2000, seed=12)
     rng = np.random.default_rng(13)
     correct = np.array([ARITH.verify(p, ARITH.teacher_solution(p, rng, sft)) for p in probs])
@@ -235,7 +247,7 @@ def test_wrong_arithmetic_teacher_misses_by_exactly_the_dropped_carries():
 
 
 def test_noisy_countdown_teacher_error_rate():
-    sft = SFTConfig(countdown_error_prob=0.3)
+    sft = CountdownOptions(error_prob=0.3)
     probs = sample(COUNT, 2000, seed=16)
     rng = np.random.default_rng(17)
     wrong = np.mean([COUNT.verify(p, COUNT.teacher_solution(p, rng, sft)) == 0.0 for p in probs])
@@ -244,7 +256,7 @@ def test_noisy_countdown_teacher_error_rate():
 
 def test_countdown_problems_are_well_formed():
     for k in (2, 3, 5):
-        for p in sample(COUNT, 300, seed=k, cfg=TaskConfig(countdown_numbers=k)):
+        for p in sample(COUNT, 300, seed=k, cfg=tc(countdown_numbers=k)):
             nums, target = p.meta["numbers"], p.meta["target"]
             assert len(nums) == k and nums == sorted(nums) and all(1 <= n <= 50 for n in nums)
             assert 1 <= target <= 999 and sum(n > 20 for n in nums) <= 1
@@ -258,30 +270,33 @@ def test_countdown_problems_are_well_formed():
     "cfg",
     [
         TaskConfig(),
-        TaskConfig(max_digits=8, countdown_numbers=5),
-        TaskConfig(min_digits=1, max_digits=3, countdown_numbers=2),
+        tc(max_digits=8, countdown_numbers=5),
+        tc(min_digits=1, max_digits=3, countdown_numbers=2),
     ],
 )
 def test_completions_fit_max_completion_chars(cfg):
     rng = np.random.default_rng(18)
     for name, task in TASKS.items():
-        limit = task.max_completion_chars(cfg)
+        limit = task.max_completion_chars(cfg.options_for(name))
         lengths = [
             len(task.teacher_solution(p, rng, s))
             for p in sample(task, 500, seed=19, cfg=cfg)
-            for s in (CLEAN, SFTConfig(carry_drop_prob=0.5, countdown_error_prob=0.5))
+            for s in (
+                CLEAN[name],
+                replace(cfg.options_for(name), **dict.fromkeys(task.NOISE_FIELDS, 0.5)),
+            )
         ]
         assert max(lengths) <= limit, (name, max(lengths), limit)
     # Default arithmetic at 6 digits: at most 92 characters (+ EOS <= 96 new tokens).
-    assert ARITH.max_completion_chars(TaskConfig()) == 92
+    assert ARITH.max_completion_chars(ArithmeticOptions()) == 92
     longest = ARITH.make("+", 999999, 999999, width=6)
-    assert len(ARITH.teacher_solution(longest, rng, CLEAN)) == 92
+    assert len(ARITH.teacher_solution(longest, rng, CLEAN["arithmetic"])) == 92
 
 
 def test_arithmetic_rejects_more_columns_than_place_letters():
     rng = np.random.default_rng(0)
-    with pytest.raises(ValueError, match="task.max_digits=27 is too large"):
-        ARITH.sample_problem(rng, TaskConfig(max_digits=27))
-    p = ARITH.sample_problem(rng, TaskConfig(min_digits=26, max_digits=26))
+    with pytest.raises(ValueError, match="task.arithmetic.max_digits=27 is too large"):
+        ARITH.sample_problem(rng, ArithmeticOptions(max_digits=27))
+    p = ARITH.sample_problem(rng, ArithmeticOptions(min_digits=26, max_digits=26))
     assert p.meta["width"] == 26 and p.prompt.startswith("z")
-    assert ARITH.verify(p, ARITH.teacher_solution(p, rng, CLEAN)) == 1.0
+    assert ARITH.verify(p, ARITH.teacher_solution(p, rng, CLEAN["arithmetic"])) == 1.0

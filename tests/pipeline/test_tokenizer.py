@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pipeline.config import ModelConfig, SFTConfig, TaskConfig
+from pipeline.config import ModelConfig, TaskConfig, from_dict
 from pipeline.tasks import TASKS
 from pipeline.tokenizer import (
     BOS_ID,
@@ -57,10 +57,11 @@ def test_decode_skips_specials_and_does_not_stop_at_eos():
 def test_round_trip_of_every_prompt_and_teacher_solution(name):
     task = TASKS[name]
     rng = np.random.default_rng(7)
-    cfg = TaskConfig(max_digits=8, countdown_numbers=5)
-    clean, noisy = SFTConfig(carry_drop_prob=0.0, countdown_error_prob=0.0), SFTConfig()
+    cfg = from_dict(TaskConfig, {"arithmetic": {"max_digits": 8}, "countdown": {"numbers": 5}})
+    noisy = cfg.options_for(name)
+    clean = task.noiseless(noisy)
     for _ in range(300):
-        p = task.sample_problem(rng, cfg)
+        p = task.sample_problem(rng, noisy)
         for text in (
             p.prompt,
             p.answer,

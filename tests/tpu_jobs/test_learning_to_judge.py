@@ -64,7 +64,7 @@ def _problem(a: int, b: int):
 
 def _solution(problem, answer: int | None = None) -> str:
     """The teacher's worked solution, with its final answer replaced by `answer`."""
-    text = ARITH.teacher_solution(problem, np.random.default_rng(0), tiny_config().sft)
+    text = ARITH.teacher_solution(problem, np.random.default_rng(0), tiny_config().task.arithmetic)
     if answer is not None:
         text = text[: text.rfind("#") + 1] + str(answer)
     return text
@@ -432,7 +432,7 @@ def test_balanced_sft_labels_do_not_depend_on_the_problem():
     same problem; a problem without carries cannot be wrong and keeps "y"."""
     from tpu_jobs.sft import label_balanced
 
-    sft = tiny_config().sft
+    sft = tiny_config().task.arithmetic  # the family options (its teacher)
     carries, none = ARITH.make("+", 58796, 47658), ARITH.make("+", 12, 34)
     rng = np.random.default_rng(0)
     for coin in (True, False) * 5:

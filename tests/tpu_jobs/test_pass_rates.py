@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import SFTConfig, load_config
+from pipeline.config import load_config
 from pipeline.paramserver import ParamServer
 from pipeline.run import Run
 from pipeline.tasks import TASKS
@@ -25,7 +25,6 @@ from tpu_jobs.sampler import SampleResult
 from tpu_jobs.sampling import PASS_RATE_STREAM, sample_keys
 
 ROOT = Path(__file__).resolve().parents[2]
-PERFECT = SFTConfig(carry_drop_prob=0.0, countdown_error_prob=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +72,9 @@ class StubSampler:
         texts = []
         for prompt, kd in zip(prompts, data, strict=True):
             p = self.by_prompt[tuple(prompt)]
-            good = TASKS[p.task].teacher_solution(p, np.random.default_rng(0), PERFECT)
+            task = TASKS[p.task]
+            perfect = task.noiseless(task.Options())
+            good = task.teacher_solution(p, np.random.default_rng(0), perfect)
             texts.append(good if _key_rule(kd) else "#wrong")
         width = max(len(t) for t in texts) + 1
         tokens = np.zeros((len(texts), width), np.int32)
