@@ -445,8 +445,13 @@ class RolloutConfig:
     # over the whole round; "problem" = a correct and a wrong sample of the same problem
     # per pair of judge groups, so the verdict depends on the solution, not the problem.
     judge_pick: str = "round"
+    # Sampler calls per round: with more than 1, the completions of one call are verified
+    # (in the sandbox, for math and code) while the next call generates. Keys are per row,
+    # so the batch is the same for any value; only the overlap changes.
+    sample_chunks: int = 1
 
     def __post_init__(self) -> None:
+        _check(self.sample_chunks >= 1, "rollout.sample_chunks", self.sample_chunks, ">= 1")
         _check(
             self.prompts_per_batch > 0, "rollout.prompts_per_batch", self.prompts_per_batch, "> 0"
         )

@@ -186,6 +186,7 @@ class RolloutWorker:
             top_k=cfg.sampler.top_k,
             top_p=cfg.sampler.top_p,
             dtype=cfg.sampler.dtype,
+            batch_size=-(-p * g // cfg.rollout.sample_chunks),
         )
         completions, texts, logps = scored.completion_ids, scored.texts, scored.logprobs
         rewards = scored.rewards
@@ -204,6 +205,8 @@ class RolloutWorker:
             "rewards": rewards,
             "verified": verified,
             "finished": scored.finished,
+            "verify_s": scored.verify_s,
+            "verify_wait_s": scored.verify_wait_s,
         }
 
     def _judge_groups(self, index: int, r: dict[str, Any]) -> dict[str, list[Any]]:
@@ -277,7 +280,15 @@ class RolloutWorker:
             kept += len(take)
             if kept >= p:
                 break
-        self.last_stats = {"ds_candidates": seen, "ds_kept": kept, "ds_rounds": len(parts)}
+        self.last_stats = {
+            "ds_candidates": seen,
+            "ds_kept": kept,
+            "ds_rounds": len(parts),
+            # Time in the verifiers, and the part of it generation did not hide (the
+            # share of the step spent waiting on the sandbox, for sandboxed families).
+            "verify_s": sum(r["verify_s"] for r, _ in parts),
+            "verify_wait_s": sum(r["verify_wait_s"] for r, _ in parts),
+        }
         cols: dict[str, list[Any]] = {k: [] for k in ("pos", "prob", "pr", "co", "tx", "lp", "rw")}
         fin: list[bool] = []
         for r, take in parts:

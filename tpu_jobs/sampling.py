@@ -9,7 +9,9 @@ domain separator), so rollouts, evaluation and pass rates never share keys.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +61,29 @@ class Scored:
     lengths: np.ndarray  # int32 [rows]
     finished: np.ndarray  # bool [rows]: ended by EOS (not by the token limit)
     rewards: np.ndarray  # float32 [rows]: the task verifier's reward
+    verify_s: float = 0.0  # seconds the verifiers ran (on the background thread)
+    verify_wait_s: float = 0.0  # seconds the caller waited for them after generating
+
+
+def verify_rows(problems: Sequence[Problem], texts: Sequence[str]) -> list[float]:
+    """Each row's reward: one `verify_batch` call per task family, so families that run
+    a sandbox (math, code) score the whole batch concurrently."""
+    rewards = [0.0] * len(problems)
+    by_family: dict[str, list[int]] = {}
+    for r, p in enumerate(problems):
+        by_family.setdefault(p.task, []).append(r)
+    for family, rows in by_family.items():
+        scores = get_task(family).verify_batch(
+            [problems[r] for r in rows], [texts[r] for r in rows]
+        )
+        for r, score in zip(rows, scores, strict=True):
+            rewards[r] = float(score)
+    return rewards
+
+
+def _timed_verify(problems: Sequence[Problem], texts: Sequence[str]) -> tuple[list[float], float]:
+    start = time.perf_counter()
+    return verify_rows(problems, texts), time.perf_counter() - start
 
 
 def sample_and_verify(
@@ -78,7 +103,11 @@ def sample_and_verify(
 ) -> Scored:
     """Sample one completion per row (`problems[r]` with `keys[r]`), in sampler calls of
     `batch_size` rows (None: one call), decode each and score it with its task's verifier.
-    `on_batch(done, total)` is called after each sampler call (progress logs)."""
+    `on_batch(done, total)` is called after each sampler call (progress logs).
+
+    Verification overlaps generation: a chunk's completions are scored on a background
+    thread while the sampler generates the next chunk (sandboxed families spend most of
+    their time waiting on the sandbox's processes, and XLA releases the GIL)."""
     total = len(problems)
     step = batch_size or max(total, 1)
     prompts = [tok.encode_prompt(p.prompt) for p in problems]
@@ -86,38 +115,48 @@ def sample_and_verify(
     texts: list[str] = []
     logps: list[list[float]] = []
     lengths: list[int] = []
-    rewards: list[float] = []
     finished: list[bool] = []
-    for start in range(0, total, step):
-        chunk = problems[start : start + step]
-        out = sampler.generate(
-            model,
-            prompts[start : start + len(chunk)],
-            keys[start : start + len(chunk)],
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            dtype=dtype,
-        )
-        for r, p in enumerate(chunk):
-            n = int(out.lengths[r])
-            ids = out.tokens[r, :n].tolist()
-            text = tok.decode(ids)
-            ids_out.append(ids)
-            texts.append(text)
-            logps.append(out.logprobs[r, :n].tolist())
-            lengths.append(n)
-            rewards.append(get_task(p.task).verify(p, text))
-            finished.append(bool(out.finished[r]))
-        if on_batch is not None:
-            on_batch(start + len(chunk), total)
+    pending: list[Future[tuple[list[float], float]]] = []
+    verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+    try:
+        for start in range(0, total, step):
+            chunk = problems[start : start + step]
+            out = sampler.generate(
+                model,
+                prompts[start : start + len(chunk)],
+                keys[start : start + len(chunk)],
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                dtype=dtype,
+            )
+            chunk_texts = []
+            for r in range(len(chunk)):
+                n = int(out.lengths[r])
+                ids = out.tokens[r, :n].tolist()
+                chunk_texts.append(tok.decode(ids))
+                ids_out.append(ids)
+                logps.append(out.logprobs[r, :n].tolist())
+                lengths.append(n)
+                finished.append(bool(out.finished[r]))
+            texts.extend(chunk_texts)
+            pending.append(verifier.submit(_timed_verify, chunk, chunk_texts))
+            if on_batch is not None:
+                on_batch(start + len(chunk), total)
+        waited = time.perf_counter()
+        results = [future.result() for future in pending]
+        waited = time.perf_counter() - waited
+    finally:
+        verifier.shutdown(wait=True, cancel_futures=True)
     return Scored(
         prompt_ids=prompts,
         completion_ids=ids_out,
         texts=texts,
         logprobs=logps,
         lengths=np.asarray(lengths, np.int32),
-        rewards=np.asarray(rewards, np.float32),
+        rewards=np.asarray([s for scores, _ in results for s in scores], np.float32),
         finished=np.asarray(finished, bool),
+        verify_s=sum(seconds for _, seconds in results),
+        verify_wait_s=waited,
     )
