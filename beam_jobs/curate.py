@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from beam_jobs import minhash
+from beam_jobs.schemas import SCHEMAS
 from beam_jobs.sources import SourceError, SourceFile, match_sources, source_name
 
 log = logging.getLogger("beam_jobs.curate")
@@ -595,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--output", required=True, metavar="DIR", help="local dir or gs://bucket/prefix")
     p.add_argument("--format", default="auto", choices=["auto", "jsonl", "parquet", "csv"])
-    p.add_argument("--schema", default="auto", choices=["auto", "gsm8k", "math", "rlax"])
+    p.add_argument("--schema", default="auto", choices=["auto", *SCHEMAS])
     p.add_argument(
         "--eval-sets",
         action="append",

@@ -1,20 +1,18 @@
-"""Prompt templates of the curated task families (GSM8K, MATH).
+"""Prompt templates of the curated task families, by family.
 
-The generated families in `pipeline.tasks` build their own prompts; these follow the
-same convention: the completion is free text ending with `ANSWER_MARKER` and the answer
-(see `pipeline.tasks.base.final_answer`). A family without a template keeps its text.
+The generated families in `pipeline.tasks` build their own prompts. The math family
+(GSM8K and MATH rows) asks for the final answer in `\\boxed{}`, the convention of
+Qwen2.5-Math, DeepSeek-R1 and most math RL recipes: it is what the verifier reads first
+(`pipeline.tasks.math_task`). A family without a template keeps its text.
 """
 
 from __future__ import annotations
 
-from pipeline.tasks.base import ANSWER_MARKER
-
 TEMPLATES: dict[str, str] = {
-    "gsm8k": "{problem}\nEnd with {marker} and the final answer.",
-    "math": "{problem}\nEnd with {marker} and the final answer.",
+    "math": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
 }
 
 
 def render(task: str, problem: str) -> str:
     template = TEMPLATES.get(task, "{problem}")
-    return template.format(problem=problem, marker=ANSWER_MARKER)
+    return template.format(problem=problem)

@@ -91,7 +91,7 @@ def align_gsm8k(fields: Mapping[str, Any]) -> Curated | Rejected:
     if answer is None:
         return Rejected(NO_ANSWER, "field 'answer' has no '#### <answer>' line")
     meta = {"solution": solution, **_extras(fields, ("question", "answer"))}
-    return _curated("gsm8k", question, answer, meta, "gsm8k")
+    return _curated("math", question, answer, meta, "gsm8k")
 
 
 def align_math(fields: Mapping[str, Any]) -> Curated | Rejected:

@@ -21,7 +21,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, get_current_context, task
 
-from dags.params import resolve_root
+from dags.params import SOURCE_SCHEMAS, resolve_root
 from dags.stage import DEFAULT_ARGS, run_command
 from pipeline.launcher import JobFailed, curate_command
 
@@ -51,7 +51,7 @@ _GLOBS = {"type": "string", "minLength": 1}
             description="Output directory or gs://bucket/prefix.",
         ),
         "format": Param("auto", enum=["auto", "jsonl", "parquet", "csv"], title="--format"),
-        "schema": Param("auto", enum=["auto", "gsm8k", "math", "rlax"], title="--schema"),
+        "schema": Param("auto", enum=list(SOURCE_SCHEMAS), title="--schema"),
         "eval_sets": Param(
             [],
             type="array",

@@ -22,6 +22,10 @@ TASK_FAMILIES = tuple(TASKS)
 # The trainer and every worker hold an executor slot for the whole RL stage: keep
 # workers + 1 within [core] parallelism (8 for `rlax demo --airflow`).
 MAX_WORKERS = 16
+# The Beam curation job's --schema choices (beam_jobs.schemas.SCHEMAS, plus "auto"),
+# spelled out because DAG files must not import beam_jobs; tests/dags/test_params.py
+# checks that the two lists agree.
+SOURCE_SCHEMAS = ("auto", "rlax", "gsm8k", "math")
 
 
 # --------------------------------------------------------------------- run URLs

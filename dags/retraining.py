@@ -30,7 +30,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, get_current_context, task
 
-from dags.params import MAX_WORKERS, resolve_root
+from dags.params import MAX_WORKERS, SOURCE_SCHEMAS, resolve_root
 from dags.stage import DEFAULT_ARGS, add_rl_stage, run_command
 from pipeline.lineage import (
     LineageError,
@@ -80,9 +80,7 @@ def _where() -> tuple[str, str, str]:
             description="New raw problems of the logical date; {ds} (YYYY-MM-DD) and "
             "{ds_nodash} are replaced by it.",
         ),
-        "source_schema": Param(
-            "auto", enum=["auto", "gsm8k", "math", "rlax"], title="Source schema"
-        ),
+        "source_schema": Param("auto", enum=list(SOURCE_SCHEMAS), title="Source schema"),
         "retrain_root": Param(
             None,
             type=["null", "string"],

@@ -111,8 +111,8 @@ def test_kept_rows_are_aligned_problems(first_run):
     assert len({r["problem_id"] for r in kept}) == len(kept)
     assert [r["problem_id"] for r in train] == sorted(r["problem_id"] for r in train)
     by_task = {r["task"] for r in kept}
-    assert by_task == {"gsm8k", "math", "countdown"}
-    gsm = next(r for r in kept if r["task"] == "gsm8k" and r["row"] == 0)
+    assert by_task == {"math", "countdown"}  # GSM8K rows are math problems
+    gsm = next(r for r in kept if r["schema"] == "gsm8k" and r["row"] == 0)
     assert gsm["answer"] == "1000"  # "#### 1,000" canonicalised
     assert gsm["problem"] in gsm["prompt"]
     assert json.loads(gsm["meta"])["solution"].endswith("#### 1,000")
@@ -120,7 +120,7 @@ def test_kept_rows_are_aligned_problems(first_run):
     assert rlax["problem_id"].startswith("rx") and json.loads(rlax["meta"])["target"] >= 0
     problems = [Problem.from_dict(r) for r in kept]  # the trainer's row type, as read
     assert {p.problem_id for p in problems} == {r["problem_id"] for r in kept}
-    math = next(r for r in kept if r["task"] == "math")
+    math = next(r for r in kept if r["schema"] == "math")
     assert math["answer"].startswith(r"\frac{1}{")
     assert json.loads(math["meta"])["level"].startswith("Level")
 

@@ -68,7 +68,7 @@ def test_parse_rows_splits_problems_and_dead_letters(make_pipeline):
             problems,
             equal_to(
                 [
-                    (0, "gsm8k", "What is 1,000 + 1?", "1001"),
+                    (0, "math", "What is 1,000 + 1?", "1001"),
                     (2, "math", "Half of 1?", r"\frac{1}{2}"),
                 ]
             ),

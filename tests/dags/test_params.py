@@ -77,3 +77,10 @@ def test_run_urls():
     with pytest.raises(ConfigError, match="config_file"):
         config_from_params({**TINY, "config_file": "/etc/passwd.yaml"})
     assert resolve_root("/tmp/x/") == "/tmp/x"
+
+
+def test_the_dags_schema_choices_are_the_curation_jobs():
+    from beam_jobs.schemas import SCHEMAS
+    from dags.params import SOURCE_SCHEMAS
+
+    assert list(SOURCE_SCHEMAS) == ["auto", *SCHEMAS]
