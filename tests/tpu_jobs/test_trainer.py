@@ -488,19 +488,26 @@ def test_dapo_dynamic_sampling_never_yields_a_constant_group(dapo_worker):
 def test_dapo_bound_gives_an_empty_batch_when_every_group_is_constant(dapo_worker, monkeypatch):
     cfg = with_trainer(dapo_worker.cfg, overlong_buffer=0, dynamic_sampling_rounds=2)
 
-    class AlwaysWrong:
-        @staticmethod
-        def verify(problem, text):
+    from pipeline.tasks.base import Task
+
+    class AlwaysWrong(Task):
+        name = "always_wrong"
+
+        def extract_answer(self, completion):
+            return None
+
+        def verify(self, problem, completion):
             return 0.0
 
     from tpu_jobs import sampling  # the rollout worker's sample -> decode -> verify loop
 
-    monkeypatch.setattr(sampling, "get_task", lambda name: AlwaysWrong)
+    monkeypatch.setattr(sampling, "get_task", lambda name: AlwaysWrong())
     monkeypatch.setattr(dapo_worker, "cfg", cfg)
     worker = dapo_worker
     batch = worker.generate_batch(0, 0)
     assert len(batch) == 0
-    assert worker.last_stats == {"ds_candidates": 8, "ds_kept": 0, "ds_rounds": 2}
+    ds = {k: v for k, v in worker.last_stats.items() if k.startswith("ds_")}
+    assert ds == {"ds_candidates": 8, "ds_kept": 0, "ds_rounds": 2}
     data = to_parquet_bytes(batch)  # commit-able; the trainer drops it (tested above)
     with pytest.raises(ValueError, match="empty"):
         from_parquet_bytes(data)
