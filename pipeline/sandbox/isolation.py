@@ -5,8 +5,8 @@ What the command guarantees, and how:
   127.0.0.1 (and its abstract Unix sockets) are out of reach;
 - no host files but the interpreter: a new mount namespace holding only the interpreter,
   its standard library and the directories of the shared libraries it loads, read-only,
-  plus `Limits.extra_ro_paths`; the stdlib's own site-packages is hidden under an empty
-  tmpfs; /tmp and /dev/shm are small private tmpfs that die with the worker;
+  plus `Limits.extra_ro_paths` and the files of `Limits.packages` (under PACKAGE_ROOT);
+  the stdlib's own site-packages is hidden under an empty tmpfs; /tmp and /dev/shm are small private tmpfs that die with the worker;
 - a clean environment: `--clearenv` and a fixed PATH, LANG and HOME;
 - not root: uid and gid 1000 inside, no capabilities, no further user namespaces
   (`--disable-userns`), `no_new_privs` (bwrap sets it); on the host the sandbox runs as
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
+import importlib.util
 import json
 import os
 import stat
@@ -47,6 +49,8 @@ LOADER_LINKS = ("/lib", "/lib64", "/bin")
 # Where /lib64's loader link points on merged-/usr systems (the probe sees only the target).
 LOADER_DIRS = ("/usr/lib64",)
 ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
+# Where `Limits.packages` appear inside (read-only, on the worker's sys.path).
+PACKAGE_ROOT = "/opt/rlax/site"
 
 # Run by the candidate interpreter: where its stdlib is and which shared libraries it maps
 # once the worker's modules are loaded.
@@ -130,6 +134,42 @@ def _inside(path: str, roots: tuple[str, ...]) -> bool:
     return any(path == r or path.startswith(r + "/") for r in roots)
 
 
+def package_paths(names: tuple[str, ...]) -> list[str]:
+    """The host files of each top-level module in `names` as this process's environment
+    would import it, with the metadata (`*.dist-info`) of the distributions providing it:
+    packages read their own version through `importlib.metadata` (latex2sympy2 picks its
+    ANTLR grammar that way). SandboxError names a module that is missing, or that the
+    sandbox's host user cannot read."""
+    providers = importlib.metadata.packages_distributions()
+    found = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin in (None, "built-in", "frozen"):
+            raise SandboxError(
+                f"sandbox package {name!r} is not installed in this environment "
+                f"({sys.executable}); Limits.packages takes pure-Python top-level modules"
+            )
+        locations = list(spec.submodule_search_locations or [])
+        paths = [locations[0] if locations else spec.origin]
+        for dist_name in providers.get(name, []):
+            dist = importlib.metadata.distribution(dist_name)
+            info = {f.parts[0] for f in dist.files or [] if f.parts[0].endswith(".dist-info")}
+            paths += [str(dist.locate_file(d)) for d in sorted(info)]
+        for path in paths:
+            if not _reachable_by_sandbox(path):
+                raise SandboxError(
+                    f"sandbox package {name!r}: {path} is not readable by the sandbox user"
+                )
+        found += paths
+    return found
+
+
+def worker_setup(limits: Limits) -> dict[str, Any]:
+    """What the worker adds to its sys.path, imports and runs before its first run."""
+    path = [PACKAGE_ROOT] if limits.packages else []
+    return {"path": path, "preload": list(limits.packages), "warmup": limits.warmup}
+
+
 def bwrap_command(limits: Limits, worker_source: str, seccomp_fd: int | None) -> list[str]:
     """The argv that starts one worker (running `worker_source`) under `limits`' mounts,
     with the seccomp filter that `seccomp_fd` holds (pass it to the child; None: none)."""
@@ -160,6 +200,8 @@ def bwrap_command(limits: Limits, worker_source: str, seccomp_fd: int | None) ->
         argv += ["--ro-bind", path, path]
     for path in python.hidden:
         argv += ["--tmpfs", path, "--remount-ro", path]
+    for path in package_paths(limits.packages):
+        argv += ["--ro-bind", path, f"{PACKAGE_ROOT}/{os.path.basename(path)}"]
     for link in LOADER_LINKS:
         if os.path.islink(link):
             argv += ["--symlink", os.readlink(link), link]
@@ -171,7 +213,7 @@ def bwrap_command(limits: Limits, worker_source: str, seccomp_fd: int | None) ->
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
     argv += [python.executable, "-I", "-S", "-c", worker_source]
-    return argv
+    return argv + [json.dumps(worker_setup(limits))]
 
 
 @contextlib.contextmanager

@@ -1,9 +1,9 @@
 """What one sandboxed run may use: `Limits`, checked on construction.
 
 The per-run limits (time, memory, processes, file size, output) travel with each request
-to a pre-started worker; `extra_ro_paths` and `tmpfs_mb` belong to the worker itself (its mounts are fixed when
-it starts), so the pool keeps one set of workers per distinct pair of
-`extra_ro_paths` and `tmpfs_mb`.
+to a pre-started worker; `extra_ro_paths`, `packages` and `tmpfs_mb` belong to the worker
+itself (its mounts and imports are fixed when it starts), so the pool keeps one set of
+workers per distinct combination of them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ class Limits:
     extra_ro_paths: absolute host paths bound read-only at the same place inside (for
         example one package's site-packages directory for a verifier); default none. They
         must be readable by the sandbox's host user: `nobody` when the caller is root.
+    packages: top-level modules of the host's environment (a trusted verifier's
+        dependencies, such as math-verify and sympy) whose files are bound read-only
+        inside, put on the worker's `sys.path` and imported by the worker before its first
+        run, so each run forks with them warm (importing sympy costs seconds). Only those
+        packages' own files become visible, not the rest of site-packages.
+    warmup: trusted code (never model text) the worker runs once after importing
+        `packages`, so that caches it fills (compiled regexes, parsers) are warm in every
+        run forked from it.
     """
 
     timeout_s: float = 10.0
@@ -45,6 +53,8 @@ class Limits:
     output_bytes: int = MIB
     open_files: int = 256
     extra_ro_paths: tuple[str, ...] = ()
+    packages: tuple[str, ...] = ()
+    warmup: str = ""
 
     def __post_init__(self) -> None:
         check(0 < self.timeout_s <= 3600, "sandbox.timeout_s", self.timeout_s, "0 < s <= 3600")
@@ -69,10 +79,18 @@ class Limits:
                 "absolute paths that exist on the host",
             )
 
-    def worker_key(self) -> tuple[tuple[str, ...], int]:
-        """What a worker fixes when it starts (its mounts): runs that differ here need
-        different workers."""
-        return (self.extra_ro_paths, self.tmpfs_mb)
+        for name in self.packages:
+            check(
+                name.isidentifier(),
+                "sandbox.packages",
+                name,
+                "top-level module names (such as 'sympy')",
+            )
+
+    def worker_key(self) -> tuple[tuple[str, ...], tuple[str, ...], str, int]:
+        """What a worker fixes when it starts (its mounts, imports and warm-up): runs that
+        differ here need different workers."""
+        return (self.extra_ro_paths, self.packages, self.warmup, self.tmpfs_mb)
 
     def rlimits(self) -> dict[str, tuple[int, int]]:
         """(soft, hard) rlimits the worker sets in each run's process, by `resource` name."""

@@ -44,11 +44,13 @@ class Worker:
                 start_new_session=True,
                 **kwargs,
             )
-        if self._reply(START_TIMEOUT_S) is None:
+        ready = self._reply(START_TIMEOUT_S)
+        if ready is None or not ready.get("ready"):
             self.kill()
             stderr = self.proc.stderr.read().decode(errors="replace").strip()
+            why = (ready or {}).get("error") or stderr[-500:]
             raise SandboxError(
-                f"a sandbox worker did not start (exit {self.proc.returncode}): {stderr[-500:]}"
+                f"a sandbox worker did not start (exit {self.proc.returncode}): {why}"
             )
 
     @property

@@ -261,8 +261,18 @@ def main() -> None:
     # A run could otherwise interrupt the worker with SIGINT (it has a handler, so init's
     # protection does not cover it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for name in WARM_MODULES:
-        __import__(name)
+    # The host's setup (pipeline.sandbox.isolation.worker_setup): a verifier's packages,
+    # imported (and warmed up) here once so that every run forks with them loaded.
+    setup = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    sys.path[:0] = setup.get("path", [])
+    try:
+        for name in (*WARM_MODULES, *setup.get("preload", [])):
+            __import__(name)
+        if setup.get("warmup"):
+            exec(compile(setup["warmup"], "<warmup>", "exec"), {"__name__": "__warmup__"})
+    except BaseException:
+        write_frame(replies, {"ready": False, "error": traceback.format_exc(limit=-3)})
+        return
     write_frame(replies, {"ready": True})
     while (request := read_frame(requests)) is not None:
         write_frame(replies, run(request))

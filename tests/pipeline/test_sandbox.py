@@ -7,6 +7,7 @@ Every test runs a real program in a real bubblewrap sandbox and then looks at th
 from __future__ import annotations
 
 import errno
+import importlib.metadata
 import os
 import signal
 import socket
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.sandbox import STATUSES, ExecResult, Limits, execute, seccomp
+from pipeline.sandbox import STATUSES, ExecResult, Limits, SandboxError, execute, seccomp
 from pipeline.sandbox.isolation import NOBODY, userns_forbidden
 from pipeline.sandbox.pool import Pool
 
@@ -154,6 +155,52 @@ except OSError as exc:
         extra.rmdir()
     assert result.status == "ok", result.stderr
     assert result.stdout == f"42\nread-only {errno.EROFS}\n"
+
+
+def test_packages_are_bound_read_only_preloaded_and_alone():
+    # idna (a package) and six (one module): only their own files and metadata are
+    # inside, already imported when the run starts; the rest of site-packages is not.
+    program = """
+import importlib.metadata, os, sys
+print(sorted(n for n in ("idna", "six") if n in sys.modules))
+import idna, six
+print(idna.__file__.startswith("/opt/rlax/site/idna/"), six.__file__)
+print(importlib.metadata.version("idna") == {!r})
+print(sorted(n.split("-")[0] for n in os.listdir("/opt/rlax/site")))
+try:
+    import yaml
+except ImportError:
+    print("no yaml")
+try:
+    open("/opt/rlax/site/idna/new.py", "w")
+except OSError as exc:
+    print("read-only", exc.errno)
+""".format(importlib.metadata.version("idna"))
+    result = _run(program, limits=Limits(packages=("idna", "six")))
+    assert result.status == "ok", result.stderr
+    assert result.stdout.splitlines() == [
+        "['idna', 'six']",
+        "True /opt/rlax/site/six.py",
+        "True",
+        "['idna', 'idna', 'six', 'six.py']",  # each module and its .dist-info
+        "no yaml",
+        f"read-only {errno.EROFS}",
+    ]
+
+
+def test_warmup_runs_in_the_worker_and_every_run_inherits_it():
+    warmup = "import os, sys\nsys.modules['warm_state'] = type(sys)('warm_state')\n"
+    warmup += "sys.modules['warm_state'].pid = os.getpid()\n"
+    program = "import os, warm_state; print(warm_state.pid != os.getpid())"
+    results = [_run(program, limits=Limits(warmup=warmup)) for _ in range(3)]
+    assert [r.stdout for r in results] == ["True\n"] * 3, [r.stderr for r in results]
+
+
+def test_a_missing_package_or_a_failing_warmup_is_a_sandbox_error_naming_it():
+    with pytest.raises(SandboxError, match="'no_such_module_xyz' is not installed"):
+        execute("pass", limits=Limits(packages=("no_such_module_xyz",)))
+    with pytest.raises(SandboxError, match="(?s)did not start.*ZeroDivisionError"):
+        execute("pass", limits=Limits(warmup="1 / 0"))
 
 
 def test_nothing_written_outlives_the_run():
@@ -443,6 +490,7 @@ def test_injected_shell_commands_leave_nothing_on_the_host():
         ("processes", 1),
         ("output_bytes", 0),
         ("extra_ro_paths", ("relative/path",)),
+        ("packages", ("not-a-module",)),
     ],
 )
 def test_bad_limits_name_the_field_and_what_is_allowed(field, value):
