@@ -25,7 +25,7 @@ MAX_WORKERS = 16
 # The Beam curation job's --schema choices (beam_jobs.schemas.SCHEMAS, plus "auto"),
 # spelled out because DAG files must not import beam_jobs; tests/dags/test_params.py
 # checks that the two lists agree.
-SOURCE_SCHEMAS = ("auto", "rlax", "gsm8k", "math")
+SOURCE_SCHEMAS = ("auto", "rlax", "gsm8k", "math", "humaneval", "mbpp", "apps")
 
 
 # --------------------------------------------------------------------- run URLs

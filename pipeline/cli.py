@@ -6,6 +6,7 @@
     rlax train  --run URL                                   the RL trainer
     rlax rollout --run URL [--worker-id ID]                 one rollout worker (join any time)
     rlax eval   --run URL [--version all|latest|N] [--k 1,4,8,16,32] [--follow]
+                [--dataset humaneval]                   a built-in set, not the held-out one
     rlax orm    --run URL                                   ORM baseline (external verifier)
     rlax pass-rates --run URL --data GLOB --k 8 [--version V]  (for beam_jobs.curate)
     rlax report --run URL

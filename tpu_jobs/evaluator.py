@@ -2,6 +2,7 @@
 
     python -m tpu_jobs.evaluator --run RUN_URL [--version V | --version all | --version latest]
                                  [--k 1,4,8,16,32] [--every N] [--follow]
+                                 [--dataset humaneval]
 
 For each version: n samples per held-out problem, scored by the task verifiers;
 pass@k (unbiased estimator), maj@k and mean reward, each with a 95% bootstrap interval
@@ -26,6 +27,12 @@ immutable, so an evaluation whose (n, ks) differs from the config's goes to its 
 keys: samples `eval/v{N:08d}-n{n}.parquet` (when n differs) and the record in stream
 `metrics/eval-n{n}-k{k1}_{k2}.../` (`eval_stream`). Each (version, n, ks) is evaluated
 once; if the samples for (version, n) already exist, a new ks only re-summarises them.
+
+`--dataset NAME` evaluates on a built-in set (`pipeline.tasks.datasets.DATASETS`, e.g.
+HumanEval's 164 problems, scored by the sandboxed code verifier) instead of the run's
+held-out problems, all of them (`eval.num_problems` caps only the held-out set). Its
+samples and records get keys of their own: `eval/v{N:08d}-{NAME}[-n{n}].parquet` and the
+stream `eval-{NAME}[-n{n}-k...]`.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from pipeline.metrics import (
 from pipeline.paramserver import ParamServer
 from pipeline.run import DONE_KEY, Run
 from pipeline.tasks import get_task
+from pipeline.tasks.datasets import DATASETS, load_dataset
 from tpu_jobs import mesh as meshlib
 from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import load_orm, self_scores
@@ -72,19 +80,28 @@ DIFFICULTY_NOTE = (
 
 
 def eval_key(
-    version: int, num_samples: int | None = None, default_samples: int | None = None
+    version: int,
+    num_samples: int | None = None,
+    default_samples: int | None = None,
+    dataset: str | None = None,
 ) -> str:
-    """Per-sample results of `version`; an n other than the config's gets its own key."""
+    """Per-sample results of `version`; an n other than the config's, or a built-in
+    dataset instead of the held-out set, gets its own key."""
     suffix = "" if num_samples is None or num_samples == default_samples else f"-n{num_samples}"
-    return f"eval/v{version:08d}{suffix}.parquet"
+    named = f"-{dataset}" if dataset else ""
+    return f"eval/v{version:08d}{named}{suffix}.parquet"
 
 
-def eval_stream(num_samples: int, ks, default_samples: int, default_ks) -> str:
-    """Metrics stream of an evaluation: "eval" for the config's (n, ks), else its own."""
+def eval_stream(
+    num_samples: int, ks, default_samples: int, default_ks, dataset: str | None = None
+) -> str:
+    """Metrics stream of an evaluation: "eval" (or "eval-{dataset}") for the config's
+    (n, ks), else its own."""
     ks = tuple(int(k) for k in ks)
+    base = f"eval-{dataset}" if dataset else "eval"
     if num_samples == default_samples and ks == tuple(default_ks):
-        return "eval"
-    return f"eval-n{num_samples}-k" + "_".join(map(str, ks))
+        return base
+    return f"{base}-n{num_samples}-k" + "_".join(map(str, ks))
 
 
 def parse_ks(spec: str) -> tuple[int, ...]:
@@ -162,15 +179,22 @@ def judge_report(scores: dict[str, np.ndarray], correct: np.ndarray) -> dict[str
 
 class Evaluator:
     """`mesh`: the sampler's device mesh; None takes `mesh.sampler` of the run config
-    (None there too: one device)."""
+    (None there too: one device). `dataset`: a built-in set (`DATASETS`) to evaluate on
+    instead of the run's held-out problems."""
 
-    def __init__(self, run: Run, *, ks=None, log=print, mesh: Any = None) -> None:
+    def __init__(
+        self, run: Run, *, ks=None, log=print, mesh: Any = None, dataset: str | None = None
+    ) -> None:
         self.run = run
         self.cfg = run.config
         self.log = log
         self.ps = ParamServer(run.store)
         self.tok = run_tokenizer(run)
-        self.problems = run.read_problems("eval")[: self.cfg.eval.num_problems]
+        self.dataset = dataset
+        if dataset is None:
+            self.problems = run.read_problems("eval")[: self.cfg.eval.num_problems]
+        else:
+            self.problems = load_dataset(dataset)
         self.mesh = mesh or sampler_mesh(self.cfg, "evaluator")
         self.model = init_model(self.cfg.model, self.cfg.seed)
         self.sampler = Sampler(
@@ -179,11 +203,11 @@ class Evaluator:
         ec = self.cfg.eval
         self.ks = tuple(sorted({int(k) for k in ks})) if ks else tuple(ec.ks)
         self.n = max(ec.num_samples, max(self.ks))
-        self.stream = eval_stream(self.n, self.ks, ec.num_samples, ec.ks)
+        self.stream = eval_stream(self.n, self.ks, ec.num_samples, ec.ks, dataset)
         self._orm: tuple[Any, dict[str, Any]] | None = None
 
     def samples_key(self, version: int) -> str:
-        return eval_key(version, self.n, self.cfg.eval.num_samples)
+        return eval_key(version, self.n, self.cfg.eval.num_samples, self.dataset)
 
     def record_key(self, version: int) -> str:
         return f"metrics/{self.stream}/{version:08d}.json"
@@ -352,9 +376,16 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated k values overriding eval.ks (n becomes max(eval.num_samples, "
         "max k)); results of a non-default (n, ks) go to their own keys, see the module doc",
     )
+    parser.add_argument(
+        "--dataset",
+        choices=sorted(DATASETS),
+        help="evaluate on this built-in set instead of the run's held-out problems",
+    )
     args = parser.parse_args(argv)
     ks = parse_ks(args.k) if args.k else None
-    ev = Evaluator(Run.open(args.run), ks=ks, log=lambda m: print(m, flush=True))
+    ev = Evaluator(
+        Run.open(args.run), ks=ks, log=lambda m: print(m, flush=True), dataset=args.dataset
+    )
     if ev.stream != "eval":
         print(f"[eval] n={ev.n} ks={list(ev.ks)}: records in metrics/{ev.stream}/", flush=True)
     done: set[int] = set()

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.sandbox import isolation
@@ -29,6 +30,12 @@ WORKER_SOURCE = Path(__file__).with_name("worker.py").read_text()
 START_TIMEOUT_S = 30.0
 # Beyond the run's own timeout: the worker's kill-and-reap of a fork bomb and its wipe.
 GRACE_S = 5.0
+# Every worker is started from this one long-lived thread. bwrap's --die-with-parent is
+# PR_SET_PDEATHSIG, which fires when the THREAD that forked it exits, not the process:
+# a worker started by a short-lived thread (an `execute_many` call's pool, a verifier's
+# background thread) was killed as soon as that thread ended, and its next run came back
+# as "sandbox worker died", i.e. a silent wrong answer.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawner")
 
 
 class Worker:
@@ -36,14 +43,15 @@ class Worker:
 
     def __init__(self, limits: Limits) -> None:
         with isolation.launch(limits, WORKER_SOURCE) as (argv, kwargs):
-            self.proc = subprocess.Popen(
+            self.proc = _SPAWNER.submit(
+                subprocess.Popen,
                 argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 **kwargs,
-            )
+            ).result()
         ready = self._reply(START_TIMEOUT_S)
         if ready is None or not ready.get("ready"):
             self.kill()

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pipeline.tasks.arithmetic import ArithmeticTask
 from pipeline.tasks.base import Problem, Task
+from pipeline.tasks.code_task import CodeTask
 from pipeline.tasks.countdown import CountdownTask
 
-TASKS: dict[str, Task] = {t.name: t for t in (ArithmeticTask(), CountdownTask())}
+TASKS: dict[str, Task] = {t.name: t for t in (ArithmeticTask(), CountdownTask(), CodeTask())}
 
 
 class UnknownTaskError(KeyError):

@@ -449,6 +449,23 @@ print("parent leaves")
     assert _host_processes_with(token) == []
 
 
+def test_a_worker_outlives_the_thread_that_started_it():
+    # Regression: bwrap's --die-with-parent fires when the starting THREAD exits, so
+    # every worker started inside an `execute_many` call died with its thread pool and
+    # the next batch's first runs came back as "sandbox worker died" (a silent 0 reward).
+    pool = Pool(Limits(), size=1)
+    try:
+        starter = threading.Thread(target=lambda: pool.execute("print(1)", "", Limits()))
+        starter.start()
+        starter.join(30)
+        time.sleep(0.3)  # the kernel's parent-death signal is asynchronous
+        (worker,) = pool.idle_workers()
+        assert worker.proc.poll() is None, "the worker died with its starting thread"
+        assert pool.execute("print('still')", "", Limits()).stdout == "still\n"
+    finally:
+        pool.close()
+
+
 def test_pool_survives_a_program_that_kills_its_parent():
     pool = Pool(Limits(), size=1)
     try:

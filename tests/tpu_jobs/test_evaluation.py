@@ -404,3 +404,32 @@ def test_tensorboard_follow_until_done_and_out_of_order_rewrite(tmp_path):
     got = [(e.step, round(e.value, 6)) for e in acc.Scalars("train/reward_mean")]
     assert got == [(1, 0.1), (2, 0.2), (3, 0.3)]
     assert len(list((tmp_path / "tb" / "train").glob("events.out.tfevents.*"))) == 1
+
+
+def test_eval_on_a_built_in_dataset_has_keys_of_its_own(small_run, monkeypatch):
+    from pipeline.tasks import datasets
+    from pipeline.tasks.base import make_problem
+    from tpu_jobs.evaluator import eval_key, eval_stream, main
+
+    assert eval_key(3, 4, 4, "humaneval") == "eval/v00000003-humaneval.parquet"
+    assert eval_key(3, 8, 4, "humaneval") == "eval/v00000003-humaneval-n8.parquet"
+    assert eval_stream(4, (1, 4), 4, (1, 4), "humaneval") == "eval-humaneval"
+    assert eval_stream(8, (1, 8), 4, (1, 4), "humaneval") == "eval-humaneval-n8-k1_8"
+    # HumanEval's prompts are longer than the tiny model's context: two short code
+    # problems stand in for it, through the same registry and the real sandbox.
+    tiny = [
+        make_problem("code", f"print {i}", str(i), {"io": [{"stdin": "", "stdout": str(i)}]})
+        for i in range(2)
+    ]
+    monkeypatch.setitem(datasets.DATASETS, "tiny_code", lambda: tiny)
+    run = small_run["run"]
+    before = run.read_metrics("eval")
+    assert main(["--run", run.url, "--version", "0", "--dataset", "tiny_code"]) == 0
+    (record,) = run.read_metrics("eval-tiny_code")
+    assert record["num_problems"] == 2 and set(record["per_task"]) == {"code"}
+    assert {"pass@1", "pass@4", "maj@4"} <= set(record["metrics"])
+    table = pq.read_table(io.BytesIO(run.store.read("eval/v00000000-tiny_code.parquet")))
+    assert set(table.column("problem_id").to_pylist()) == {p.problem_id for p in tiny}
+    assert run.read_metrics("eval") == before  # the held-out records are untouched
+    with pytest.raises(SystemExit):
+        main(["--run", run.url, "--dataset", "no_such_set"])

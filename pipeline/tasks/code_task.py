@@ -1,0 +1,295 @@
+"""Code: write a Python program; it is run in the sandbox against the problem's tests.
+
+A problem's `meta` carries its tests in one (or both) of two kinds:
+
+    {"tests": "<python that raises on failure>", "entry_point": "name"}   HumanEval, MBPP
+    {"io": [{"stdin": "...", "stdout": "..."}, ...]}                       Codeforces, APPS
+
+plus, optionally, `"prefix"` (the code a completion continues: HumanEval's prompt) and
+`"timeout_s"` (per sandboxed run, instead of the kind's default below).
+
+The program (`extract_program`) is the last fenced code block of the completion whose
+language tag is python, py, python3 or absent (instruct models often omit the tag); a
+completion without any fence is the program itself (a base model continuing the code).
+A completion whose fences are all of other languages has no program. An unclosed last
+fence runs to the end of the text (generation stopped before the closing fence).
+
+`tests` run exactly as HumanEval's `check_correctness` composes them: program, a
+newline, the tests, a newline, `check(entry_point)` when an entry point is given. When
+the program does not define the entry point, the problem's `prefix` is put in front of it
+first, as evalplus and bigcode-evaluation-harness do for base models: the completion is
+then the body that continues HumanEval's prompt. Each `io` case is one run with the
+case's stdin; its stdout must equal the expected one up to trailing whitespace on each
+line and trailing blank lines (and CRLF), i.e. the usual "ignore trailing whitespace"
+judge; line structure and leading spaces still count. A run must exit 0 as well: a
+judge calls a non-zero exit a runtime error whatever was printed.
+
+The reward is 1.0 when every run passes, else 0.0 (error, timeout, memory, output cap,
+wrong output). All runs of a batch go through one `pipeline.sandbox.execute_many` call so
+they overlap. When the sandbox itself cannot run, `SandboxError` propagates: scoring the
+batch 0 instead would silently train the policy against a broken grader (every sample
+"wrong"), which is far worse than a failed step that the job's retry handles.
+
+What the sandbox does not give: the tests share a process with the program, as in
+HumanEval, so a program written to cheat the grader from inside (an object whose `__eq__`
+is always true) is not caught. One cheap cheat is: a program that ends the process early
+with status 0 (`sys.exit(0)` before the tests run) fails, because a run passes only when
+the harness prints, after `check`, a line the program cannot know in advance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pipeline.sandbox import ExecResult, Job, Limits, execute_many
+from pipeline.tasks.base import Problem, Task
+
+# Per run. HumanEval's evaluator defaults to 3 s per problem; these runs share the CPUs
+# with generation on a rollout worker, so twice that. APPS's harness gives an io case 4 s.
+TESTS_TIMEOUT_S = 6.0
+IO_TIMEOUT_S = 4.0
+MAX_TIMEOUT_S = 60.0  # a meta "timeout_s" above this is a data error, not a slow problem
+PYTHON_FENCES = frozenset({"python", "py", "python3", ""})
+
+# Used by the curation job (beam_jobs.prompts) and the HumanEval loader alike.
+PROMPT_TEMPLATE = (
+    "{problem}\n\nWrite your solution in Python and give the complete program in one "
+    "```python code block."
+)
+
+_OPEN = re.compile(r"([ \t]*)```[ \t]*([A-Za-z0-9_+.#-]*)[^`]*")
+_CLOSE = re.compile(r"[ \t]*```[ \t]*")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def render_prompt(problem: str) -> str:
+    """The prompt of a code problem whose statement (or function stub) is `problem`."""
+    return PROMPT_TEMPLATE.format(problem=problem)
+
+
+def function_problem(stub: str) -> str:
+    """The statement of a complete-this-function problem (HumanEval's prompt `stub`)."""
+    return f"Complete the following Python function.\n\n```python\n{stub.rstrip()}\n```"
+
+
+def _fenced_blocks(text: str) -> list[tuple[str, str]] | None:
+    """(language tag, body) of every fenced block in order; None when there is no fence.
+    The body loses the fence's own indentation (a fence nested in a list item)."""
+    lines = text.splitlines()
+    blocks: list[tuple[str, str]] = []
+    i = 0
+    while i < len(lines):
+        opening = _OPEN.fullmatch(lines[i])
+        i += 1
+        if opening is None:
+            continue
+        indent, tag = opening.group(1), opening.group(2).lower()
+        body = []
+        while i < len(lines) and not _CLOSE.fullmatch(lines[i]):
+            body.append(lines[i].removeprefix(indent))
+            i += 1
+        i += 1  # the closing fence (or past the end when it never came)
+        blocks.append((tag, "\n".join(body)))
+    return blocks or None
+
+
+def _tidy(program: str) -> str | None:
+    """Trailing spaces and surrounding blank lines dropped, so that programs that differ
+    only there vote together (maj@k); leading indentation is kept (a continuation)."""
+    lines = [line.rstrip() for line in program.splitlines()]
+    while lines and not lines[0]:
+        lines.pop(0)
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines) + "\n" if lines else None
+
+
+def extract_program(completion: str) -> str | None:
+    """The program of a completion (see the module doc), tidied; None when it has none."""
+    if not isinstance(completion, str):
+        return None
+    blocks = _fenced_blocks(completion)
+    if blocks is None:
+        return _tidy(completion)
+    python = [body for tag, body in blocks if tag in PYTHON_FENCES]
+    return _tidy(python[-1]) if python else None
+
+
+def defines(program: str, name: str) -> bool:
+    """Whether `program` binds `name` at top level (def, class or assignment). A textual
+    check, not `ast`: a continuation body does not parse on its own."""
+    pattern = rf"^(?:(?:async[ \t]+)?def|class)[ \t]+{re.escape(name)}\b|^{re.escape(name)}[ \t]*="
+    return re.search(pattern, program, re.MULTILINE) is not None
+
+
+def normalise_output(text: str) -> str:
+    """Stdout as the judge compares it: CRLF as LF, no trailing whitespace on any line,
+    no trailing blank lines."""
+    return "\n".join(line.rstrip() for line in text.splitlines()).rstrip("\n")
+
+
+# ------------------------------------------------------------------ checking problems
+
+
+def _timeout(problem: Problem, default: float) -> float:
+    value = problem.meta.get("timeout_s", default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        value = math.nan
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"code problem {problem.problem_id}: meta timeout_s={problem.meta['timeout_s']!r} "
+            f"is invalid; allowed: a number of seconds in (0, {MAX_TIMEOUT_S:g}]"
+        )
+    return float(value)
+
+
+def check_code_problem(problem: Problem) -> None:
+    """Raise ValueError naming the problem when its meta has no usable tests."""
+    meta, pid = problem.meta, problem.problem_id
+    where = f"code problem {pid}"
+    if "tests" not in meta and "io" not in meta:
+        raise ValueError(
+            f"{where} has no tests: meta needs 'tests' (Python that raises on failure, "
+            f"optionally with 'entry_point') or 'io' (a list of {{stdin, stdout}} cases); "
+            f"it has {sorted(meta)}"
+        )
+    if "tests" in meta and (not isinstance(meta["tests"], str) or not meta["tests"].strip()):
+        raise ValueError(f"{where}: meta 'tests' must be non-empty Python text")
+    entry = meta.get("entry_point")
+    if entry is not None and not (isinstance(entry, str) and _IDENTIFIER.fullmatch(entry)):
+        raise ValueError(f"{where}: meta entry_point={entry!r} is not a Python identifier")
+    if entry is not None and "tests" not in meta:
+        raise ValueError(f"{where}: meta entry_point is given without 'tests' to check it")
+    if "prefix" in meta and not isinstance(meta["prefix"], str):
+        raise ValueError(f"{where}: meta 'prefix' must be text (code a completion continues)")
+    if "io" in meta:
+        cases = meta["io"]
+        if not isinstance(cases, list) or not cases:
+            raise ValueError(f"{where}: meta 'io' must be a non-empty list of {{stdin, stdout}}")
+        for i, case in enumerate(cases):
+            if not (
+                isinstance(case, Mapping)
+                and isinstance(case.get("stdin"), str)
+                and isinstance(case.get("stdout"), str)
+            ):
+                raise ValueError(
+                    f"{where}: meta io[{i}] must be an object with text 'stdin' and "
+                    f"'stdout'; got {case!r:.80}"
+                )
+    if "timeout_s" in meta:
+        _timeout(problem, TESTS_TIMEOUT_S)
+
+
+# ------------------------------------------------------------------- runs and scores
+
+
+@dataclass(frozen=True)
+class Check:
+    """One sandboxed run of a completion and what its result must show to pass:
+    `expect` is the expected normalised stdout (io) or the harness's end marker (tests)."""
+
+    job: Job
+    kind: str
+    expect: str
+
+    def passes(self, result: ExecResult) -> bool:
+        return result.ok and MATCHERS[self.kind](result.stdout, self.expect)
+
+
+def _reached_end(stdout: str, marker: str) -> bool:
+    return marker in stdout.splitlines()
+
+
+def _same_output(stdout: str, expected: str) -> bool:
+    return normalise_output(stdout) == expected
+
+
+MATCHERS: dict[str, Callable[[str, str], bool]] = {"tests": _reached_end, "io": _same_output}
+
+
+def program_for(problem: Problem, completion: str) -> str | None:
+    """The program to run: the extracted one, behind the problem's `prefix` when it does
+    not define the entry point itself (a continuation of the prompt)."""
+    program = extract_program(completion)
+    if program is None:
+        return None
+    entry = problem.meta.get("entry_point")
+    prefix = problem.meta.get("prefix", "")
+    if entry and prefix and not defines(program, entry):
+        program = prefix + program
+    return program
+
+
+def _end_marker(program: str, tests: str) -> str:
+    """A line only the harness prints, after the tests: derived from the program itself,
+    so no program can contain it (deterministic, unlike a random nonce)."""
+    return "rlax-tests-passed-" + hashlib.sha256(f"{program}\x00{tests}".encode()).hexdigest()[:24]
+
+
+def code_checks(problem: Problem, completion: str) -> list[Check]:
+    """The runs that score `completion`; empty when it has no program (reward 0).
+    Raises ValueError when the problem itself has no usable tests."""
+    check_code_problem(problem)
+    program = program_for(problem, completion)
+    if program is None:
+        return []
+    meta = problem.meta
+    checks = []
+    if "tests" in meta:
+        entry = meta.get("entry_point")
+        marker = _end_marker(program, meta["tests"])
+        # HumanEval's composition, then the marker straight to fd 1, so a program that
+        # replaced sys.stdout cannot hide it.
+        harness = program + "\n" + meta["tests"] + "\n" + (f"check({entry})\n" if entry else "")
+        harness += f"__import__('os').write(1, b'\\n{marker}\\n')\n"
+        limits = Limits(timeout_s=_timeout(problem, TESTS_TIMEOUT_S))
+        checks.append(Check(Job(harness, limits=limits), "tests", marker))
+    for case in meta.get("io", ()):
+        limits = Limits(timeout_s=_timeout(problem, IO_TIMEOUT_S))
+        expected = normalise_output(case["stdout"])
+        checks.append(Check(Job(program, stdin=case["stdin"], limits=limits), "io", expected))
+    return checks
+
+
+def score(checks: Sequence[Check], results: Sequence[ExecResult]) -> float:
+    """1.0 when there are runs and every one passes, else 0.0."""
+    ok = bool(checks) and all(c.passes(r) for c, r in zip(checks, results, strict=True))
+    return 1.0 if ok else 0.0
+
+
+def run_checks(groups: Sequence[Sequence[Check]]) -> list[float]:
+    """Score each group of checks, all runs of all groups in one `execute_many` call.
+    Raises SandboxError when the sandbox cannot run (see the module doc)."""
+    flat = [c.job for group in groups for c in group]
+    results = execute_many(flat)
+    scores, at = [], 0
+    for group in groups:
+        scores.append(score(group, results[at : at + len(group)]))
+        at += len(group)
+    return scores
+
+
+class CodeTask(Task):
+    """Python programs scored by sandboxed tests (HumanEval/MBPP asserts or stdin/stdout)."""
+
+    name: ClassVar[str] = "code"
+
+    def extract_answer(self, completion: str) -> str | None:
+        return extract_program(completion)
+
+    def verify(self, problem: Problem, completion: str) -> float:
+        return self.verify_batch([problem], [completion])[0]
+
+    def verify_batch(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[float]:
+        """Rewards of each pair; unlike other families this raises SandboxError when the
+        sandbox cannot run, and ValueError for a problem `check_problem` refuses."""
+        groups = [code_checks(p, c) for p, c in zip(problems, completions, strict=True)]
+        return run_checks(groups)
+
+    def check_problem(self, problem: Problem) -> None:
+        check_code_problem(problem)
