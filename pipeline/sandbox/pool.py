@@ -114,8 +114,10 @@ class Pool:
 
     def _acquire(self) -> Worker:
         worker = self._slots.get()
-        if worker is not None:
+        if worker is not None and worker.proc.poll() is None:
             return worker
+        if worker is not None:  # died while idle (killed from outside): start another
+            worker.kill()
         try:
             return Worker(self.limits)
         except BaseException:

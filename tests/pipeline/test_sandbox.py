@@ -513,3 +513,15 @@ def test_injected_shell_commands_leave_nothing_on_the_host():
 def test_bad_limits_name_the_field_and_what_is_allowed(field, value):
     with pytest.raises(ConfigError, match=rf"sandbox\.{field}=.*allowed"):
         Limits(**{field: value})
+
+
+def test_a_worker_that_dies_while_idle_is_replaced_not_handed_a_run():
+    pool = Pool(Limits(), size=1)
+    try:
+        assert pool.execute("print(1)", "", Limits()).stdout == "1\n"
+        (worker,) = pool.idle_workers()
+        os.killpg(worker.pid, signal.SIGKILL)  # killed from outside, between runs
+        worker.proc.wait()
+        assert pool.execute("print('replaced')", "", Limits()).stdout == "replaced\n"
+    finally:
+        pool.close()
