@@ -9,8 +9,11 @@ from pipeline.tasks.arithmetic import ArithmeticTask
 from pipeline.tasks.base import Problem, Task
 from pipeline.tasks.code_task import CodeTask
 from pipeline.tasks.countdown import CountdownTask
+from pipeline.tasks.math_task import MathTask
 
-TASKS: dict[str, Task] = {t.name: t for t in (ArithmeticTask(), CountdownTask(), CodeTask())}
+TASKS: dict[str, Task] = {
+    t.name: t for t in (ArithmeticTask(), CountdownTask(), CodeTask(), MathTask())
+}
 
 
 class UnknownTaskError(KeyError):
