@@ -27,8 +27,9 @@ from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
 from pipeline.tasks import TASKS
 from pipeline.tasks.base import SyntheticTask
+from pipeline.tokenizer import TOKENIZERS
 
-TOKENIZER_NAMES = ("char", "hf")
+TOKENIZER_NAMES = (*TOKENIZERS, "hf")  # the built-in ones, or the imported one
 
 # Named model sizes. Field names follow Hugging Face's LlamaConfig/Qwen2Config.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -59,9 +60,10 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq_len: int = 256
     dtype: str = "float32"  # activation/compute dtype; params stay float32
-    # Text <-> ids for every role: "char" (pipeline.tokenizer.CharTokenizer) or "hf" (the
-    # tokenizer.json imported with the run's base, `rlax import-hf`; chat template applied
-    # to prompts when it has one). `tpu_jobs.hf_tokenizer.run_tokenizer(run)` returns it.
+    # Text <-> ids for every role: "char" (pipeline.tokenizer.CharTokenizer: the synthetic
+    # families' alphabet), "byte" (ByteTokenizer: any text, vocab_size >= 260; a run from
+    # scratch on real data) or "hf" (the tokenizer.json imported with the run's base,
+    # `rlax import-hf`; chat template applied to prompts when it has one). `tpu_jobs.hf_tokenizer.run_tokenizer(run)` returns it.
     tokenizer: str = "char"
 
     def __post_init__(self) -> None:
@@ -85,15 +87,15 @@ class ModelConfig:
             _check(getattr(self, name) > 0, f"model.{name}", getattr(self, name), "> 0")
         _check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "> 0")
         _check(0 < self.rms_norm_eps < 1, "model.rms_norm_eps", self.rms_norm_eps, "(0, 1)")
-        if self.tokenizer == "char":  # an HF tokenizer is checked against the import
-            from pipeline.tokenizer import CharTokenizer  # pure Python, no jax
-
-            need = CharTokenizer().vocab_size
+        _one_of("model.tokenizer", self.tokenizer, TOKENIZER_NAMES)
+        if self.tokenizer in TOKENIZERS:  # an HF tokenizer is checked against the import
+            need = TOKENIZERS[self.tokenizer]().vocab_size
             _check(
                 self.vocab_size >= need,
                 "model.vocab_size",
                 self.vocab_size,
-                f">= {need}, the char tokenizer's vocabulary (model.tokenizer=char)",
+                f">= {need}, the {self.tokenizer} tokenizer's vocabulary "
+                f"(model.tokenizer={self.tokenizer})",
             )
         _check(
             self.num_heads % self.num_kv_heads == 0,
@@ -104,7 +106,6 @@ class ModelConfig:
         _check(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "an even number (RoPE)")
         _check(isinstance(self.qk_norm, bool), "model.qk_norm", self.qk_norm, "true or false")
         _one_of("model.dtype", self.dtype, ("float32", "bfloat16"))
-        _one_of("model.tokenizer", self.tokenizer, TOKENIZER_NAMES)
 
 
 @dataclass(frozen=True)

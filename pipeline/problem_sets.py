@@ -17,6 +17,7 @@ from pipeline.layout import CURATED_PREFIX
 from pipeline.run import CONFIG_KEY, Run
 from pipeline.tasks import get_task
 from pipeline.tasks.base import Problem
+from pipeline.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer, unrepresentable
 
 
 def write_data(run: Run) -> tuple[int, int]:
@@ -31,6 +32,9 @@ def write_data(run: Run) -> tuple[int, int]:
         if run.store.list("") == [CONFIG_KEY]:  # just created: leave nothing behind
             run.store.delete(CONFIG_KEY)
         raise ConfigError(f"{err}; run {run.url} was not created") from None
+    name = run.config.model.tokenizer
+    if name in TOKENIZERS:
+        check_representable([*train, *held_out], get_tokenizer(name), name, "generated problems")
     run.write_problems("eval", held_out)
     run.write_problems("train", train)
     return len(train), len(held_out)
@@ -69,6 +73,22 @@ def check_families(problems: Sequence[Problem], families: Sequence[str], where: 
         raise ValueError(f"{where}: {len(bad)} problems cannot be verified: {shown}")
 
 
+def check_representable(problems: Sequence[Problem], tok: Tokenizer, name: str, where: str) -> None:
+    """Refuse problems whose prompt or answer holds text the run's tokenizer would encode
+    as UNK (training would silently lose it), naming the characters and the fix."""
+    missing = unrepresentable(tok, [t for p in problems for t in (p.prompt, p.answer)])
+    if missing:
+        first = next(p for p in problems if set(p.prompt + p.answer) & set(missing))
+        raise ValueError(
+            f"{where}: the {name} tokenizer (model.tokenizer={name}) cannot represent "
+            f"{len(missing)} characters of these problems, {missing[:40]!r} (first in "
+            f"problem {first.problem_id!r}), and would turn them into UNK; use "
+            "model.tokenizer=byte for a run from scratch (with model.vocab_size >= 260), "
+            "or import a pretrained model with its tokenizer (`rlax import-hf`, the DAG's "
+            "hf_checkpoint param, model.tokenizer=hf)"
+        )
+
+
 def write_curated_data(
     run: Run, curated_prefix: str = CURATED_PREFIX, eval_from: Sequence[Problem] | None = None
 ) -> tuple[int, int]:
@@ -90,6 +110,10 @@ def write_curated_data(
         )
     check_families(train, families, "curated train split")
     check_families(held_out, families, "held-out set")
+    name = run.config.model.tokenizer
+    if name in TOKENIZERS:  # an HF tokenizer is checked once imported (`rlax import-hf`)
+        for split, problems in (("curated train split", train), ("held-out set", held_out)):
+            check_representable(problems, get_tokenizer(name), name, split)
     eval_ids = {p.problem_id for p in held_out}
     train = [p for p in train if p.problem_id not in eval_ids]
     run.write_problems("eval", held_out)

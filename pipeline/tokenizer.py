@@ -3,13 +3,18 @@
 Special ids are fixed by docs/CONVENTIONS.md: PAD=0, BOS=1, EOS=2, UNK=3. A prompt is
 encoded as `[BOS] + encode(text)` and a completion as `encode(text) + [EOS]`.
 
-`CharTokenizer` maps each character of a fixed charset (`CHARSET`, everything the task
-families write) to one id after the specials, so `vocab_size = 4 + len(CHARSET) <= 64`
-(the default `ModelConfig.vocab_size`). Characters outside the charset encode to UNK and
-never raise: model text and adversarial answers must always round-trip through the
-pipeline. A Hugging Face `tokenizers.Tokenizer` satisfies the same protocol through
-`tpu_jobs.hf_tokenizer.HFTokenizer`; a run picks its tokenizer with `model.tokenizer` ("char" or
-"hf", the one imported with its base) and every role gets it from
+`CharTokenizer` maps each character of a fixed charset (`CHARSET`, everything the
+synthetic task families write) to one id after the specials, so
+`vocab_size = 4 + len(CHARSET) <= 64` (the default `ModelConfig.vocab_size`). Characters
+outside the charset encode to UNK and never raise: model text and adversarial answers
+must always round-trip through the pipeline. But a run's own problems must never lose
+text that way (an upper-case MATH problem would train on UNKs): `unrepresentable` names
+what a tokenizer cannot encode, and the data job refuses such problems
+(`pipeline.problem_sets.check_representable`), pointing at `ByteTokenizer` ("byte":
+every UTF-8 byte one id, `vocab_size = 4 + 256`), the choice for a run from scratch on
+real text. A Hugging Face `tokenizers.Tokenizer` satisfies the same protocol through
+`tpu_jobs.hf_tokenizer.HFTokenizer`; a run picks its tokenizer with `model.tokenizer`
+("char", "byte", or "hf": the one imported with its base) and every role gets it from
 `tpu_jobs.hf_tokenizer.run_tokenizer(run)`.
 """
 
@@ -104,7 +109,49 @@ class CharTokenizer(TokenizerBase):
         return "".join(out)
 
 
-TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {"char": CharTokenizer}
+class ByteTokenizer(TokenizerBase):
+    """One id per UTF-8 byte (after the specials): any text round-trips exactly, at the
+    cost of several ids for a character outside ASCII; a run from scratch on real data
+    (upper case, LaTeX, code) uses it with `model.vocab_size >= 260`."""
+
+    def __init__(self) -> None:
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = PAD_ID, BOS_ID, EOS_ID, None
+
+    @property
+    def vocab_size(self) -> int:
+        return NUM_SPECIAL + 256
+
+    def encode(self, text: str) -> list[int]:
+        return [b + NUM_SPECIAL for b in text.encode("utf-8", errors="surrogatepass")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # Ids outside the byte range (UNK, a wider embedding's extra rows) and bytes that
+        # are not valid UTF-8 (a sample cut inside a character) both read as REPLACEMENT.
+        out, run = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if i in (PAD_ID, BOS_ID, EOS_ID):
+                continue
+            if NUM_SPECIAL <= i < NUM_SPECIAL + 256:
+                run.append(i - NUM_SPECIAL)
+                continue
+            out.append(run.decode("utf-8", errors="replace") + REPLACEMENT)
+            run = bytearray()
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+def unrepresentable(tok: Tokenizer, texts: Sequence[str]) -> str:
+    """The distinct characters of `texts` that `tok` encodes to its UNK id, sorted ("" when
+    it has none, or no UNK id at all: byte-level tokenizers)."""
+    unk = getattr(tok, "unk_id", None)
+    if unk is None:
+        return ""
+    chars = set().union(*map(set, texts)) if texts else set()
+    return "".join(sorted(c for c in chars if unk in tok.encode(c)))
+
+
+TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {"char": CharTokenizer, "byte": ByteTokenizer}
 
 
 def get_tokenizer(name: str = "char") -> Tokenizer:

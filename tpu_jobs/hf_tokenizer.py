@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.layout import HF_PREFIX
-from pipeline.tokenizer import REPLACEMENT, Tokenizer, TokenizerBase, get_tokenizer
+from pipeline.tokenizer import REPLACEMENT, TOKENIZERS, Tokenizer, TokenizerBase, get_tokenizer
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = (
@@ -95,6 +95,10 @@ class HFTokenizer(TokenizerBase):
         self.chat_template = chat_template
         self.use_chat_template = use_chat_template
         self._skip = {self.pad_id, self.bos_id, self.eos_id}
+        # The model's UNK (WordPiece/WordLevel/Unigram models have one; byte-level BPE
+        # does not), for `pipeline.tokenizer.unrepresentable`.
+        unk = getattr(tokenizer.model, "unk_token", None)
+        self.unk_id: int | None = tokenizer.token_to_id(unk) if unk else None
 
     @classmethod
     def from_dir(cls, directory: str | Path, **kwargs: Any) -> HFTokenizer:
@@ -235,12 +239,12 @@ def load_run_tokenizer(run: Any, **kwargs: Any) -> HFTokenizer | None:
 
 
 def run_tokenizer(run: Any) -> Tokenizer:
-    """The tokenizer every role of `run` uses (`model.tokenizer`): the char tokenizer, or
+    """The tokenizer every role of `run` uses (`model.tokenizer`): a built-in one, or
     for "hf" the one imported with the run's base model (`base/hf/tokenizer.json`; prompts
     rendered with its chat template when it has one)."""
     cfg = run.config.model
-    if cfg.tokenizer == "char":
-        return get_tokenizer("char")
+    if cfg.tokenizer in TOKENIZERS:  # built in: "char", "byte"
+        return get_tokenizer(cfg.tokenizer)
     tok = load_run_tokenizer(run)
     if tok is None:
         raise HFError(

@@ -53,6 +53,7 @@ import numpy as np
 from pipeline import failpoints
 from pipeline.leases import BatchLeases
 from pipeline.paramserver import CorruptSnapshotError, ParamServer, SnapshotNotFoundError
+from pipeline.problem_sets import check_representable
 from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
 from pipeline.run import DONE_KEY, Run
 from pipeline.schedule import batch_problem_indices
@@ -132,6 +133,8 @@ class RolloutWorker:
         self.leases = BatchLeases(run.store, ttl_seconds=self.cfg.rollout.lease_seconds)
         self.tok = run_tokenizer(run)
         self.problems = run.read_problems("train")
+        # The data job checked the built-in tokenizers; an imported one only exists now.
+        check_representable(self.problems, self.tok, run.config.model.tokenizer, "train set")
         self.mesh = mesh or sampler_mesh(self.cfg, "rollout worker")
         self.model = init_model(self.cfg.model, self.cfg.seed)
         self.sampler = Sampler(

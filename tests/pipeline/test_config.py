@@ -78,7 +78,7 @@ def test_preset_fills_sizes_and_explicit_value_wins():
         ("mesh.trainer=[2,2]", ["mesh.trainer", "3 sizes", "'tensor'"]),
         ("mesh.sampler=[-1,-1,1]", ["mesh.sampler", "at most one"]),
         ("mesh.trainer=[0,1,1]", ["mesh.trainer", ">= 1 or -1"]),
-        ("model.tokenizer=bpe", ["model.tokenizer", "'char'", "'hf'"]),
+        ("model.tokenizer=bpe", ["model.tokenizer", "'char'", "'byte'", "'hf'"]),
         ("nonsense", ["section.field=value"]),
     ],
 )

@@ -3,6 +3,7 @@ import pytest
 
 from pipeline.config import ModelConfig, TaskConfig, from_dict
 from pipeline.tasks import TASKS
+from pipeline.tasks.base import SyntheticTask
 from pipeline.tokenizer import (
     BOS_ID,
     CHARSET,
@@ -53,7 +54,9 @@ def test_decode_skips_specials_and_does_not_stop_at_eos():
     assert TOK.decode(np.array([5, 6], dtype=np.int32)) == "12"
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize(
+    "name", sorted(n for n, t in TASKS.items() if isinstance(t, SyntheticTask))
+)
 def test_round_trip_of_every_prompt_and_teacher_solution(name):
     task = TASKS[name]
     rng = np.random.default_rng(7)
@@ -77,7 +80,50 @@ def test_round_trip_of_every_prompt_and_teacher_solution(name):
 
 def test_registry():
     assert isinstance(get_tokenizer(), CharTokenizer)
-    with pytest.raises(ValueError, match="allowed: char"):
+    with pytest.raises(ValueError, match="allowed: char, byte"):
         get_tokenizer("bpe")
     with pytest.raises(ValueError, match="repeated"):
         CharTokenizer("aa")
+
+
+# ------------------------------------------------------------------ the byte tokenizer
+
+REAL_TEXT = [
+    "Find $\\frac{14}{3}$ of $\\sqrt{2}$: \\boxed{X}",
+    "def Solve(s: str) -> int:\n\treturn len(s)  # ünïcødé, 中文, 🙂",
+    "",
+    "\x00\x7f",
+]
+
+
+@pytest.mark.parametrize("text", REAL_TEXT)
+def test_byte_tokenizer_round_trips_any_text_as_its_utf8_bytes(text):
+    tok = get_tokenizer("byte")
+    assert isinstance(tok, Tokenizer) and tok.vocab_size == 4 + 256
+    ids = tok.encode(text)
+    assert ids == [b + 4 for b in text.encode("utf-8")]  # Python's own UTF-8 as the reference
+    assert tok.decode(tok.encode_prompt(text)) == text
+    assert tok.decode(tok.encode_completion(text)) == text
+
+
+def test_byte_tokenizer_decodes_broken_utf8_and_unknown_ids_visibly():
+    tok = get_tokenizer("byte")
+    cut = tok.encode("é")[:1]  # a sample that stopped inside a two-byte character
+    assert tok.decode(tok.encode("a") + cut) == "a" + REPLACEMENT
+    assert tok.decode([*tok.encode("a"), UNK_ID, 999, *tok.encode("b")]) == (
+        "a" + 2 * REPLACEMENT + "b"
+    )
+
+
+def test_unrepresentable_names_exactly_the_characters_the_tokenizer_would_lose():
+    from pipeline.tokenizer import unrepresentable
+
+    assert unrepresentable(TOK, ["Find X in $\\{1,2\\}$", "abc"]) == "$FX\\{}"
+    assert unrepresentable(TOK, ["12+3=15"]) == ""
+    assert unrepresentable(get_tokenizer("byte"), REAL_TEXT) == ""
+
+
+def test_the_byte_tokenizer_needs_its_vocabulary():
+    with pytest.raises(ValueError, match=r"model\.vocab_size=64.*>= 260, the byte tokenizer"):
+        ModelConfig(tokenizer="byte", vocab_size=64)
+    assert ModelConfig(tokenizer="byte", vocab_size=260).vocab_size == 260
