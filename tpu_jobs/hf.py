@@ -680,7 +680,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             cfg = model_config_from_hf(read_hf_config(args.path))
-            print(" ".join(model_overrides(cfg)))
+            overrides = model_overrides(cfg)
+            if (Path(args.path) / "tokenizer.json").is_file():  # as import_to_run decides
+                overrides.append("model.tokenizer=hf")
+            print(" ".join(overrides))
             print(json.dumps({k: v for k, v in asdict(cfg).items()}, indent=2), file=sys.stderr)
     except (HFError, RunError, ConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
