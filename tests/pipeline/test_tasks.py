@@ -51,11 +51,11 @@ def sample(task, n, seed, cfg=None):
 
 
 def test_registry_and_config_validation():
-    assert set(TASKS) == {"arithmetic", "countdown", "code"}
+    assert set(TASKS) == {"arithmetic", "countdown", "code", "math"}
     assert set(SYNTHETIC) == {"arithmetic", "countdown"}
     assert get_task("countdown") is COUNT
     with pytest.raises(
-        UnknownTaskError, match="'sudoku' is unknown; known families: arithmetic, code, countdown"
+        UnknownTaskError, match="'sudoku' is unknown; known families: arithmetic, code, countdown, math"
     ):
         get_task("sudoku")
     with pytest.raises(ConfigError, match="task.families"):
