@@ -227,7 +227,8 @@ def program_for(problem: Problem, completion: str) -> str | None:
 
 def _end_marker(program: str, tests: str) -> str:
     """A line only the harness prints, after the tests: derived from the program itself,
-    so no program can contain it (deterministic, unlike a random nonce)."""
+    so no program can contain it literally (deterministic, unlike a random nonce; what a
+    program written to attack the harness could still do: docs/security.md)."""
     return "rlax-tests-passed-" + hashlib.sha256(f"{program}\x00{tests}".encode()).hexdigest()[:24]
 
 
