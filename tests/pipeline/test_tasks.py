@@ -55,7 +55,8 @@ def test_registry_and_config_validation():
     assert set(SYNTHETIC) == {"arithmetic", "countdown"}
     assert get_task("countdown") is COUNT
     with pytest.raises(
-        UnknownTaskError, match="'sudoku' is unknown; known families: arithmetic, code, countdown, math"
+        UnknownTaskError,
+        match="'sudoku' is unknown; known families: arithmetic, code, countdown, math",
     ):
         get_task("sudoku")
     with pytest.raises(ConfigError, match="task.families"):
