@@ -412,7 +412,9 @@ def _read_pass_rates(path: str) -> Iterator[dict[str, Any]]:
     from beam_jobs.sources import open_source
 
     with open_source(path) as f:
-        table = pq.read_table(f, columns=list(PASS_RATE_COLUMNS))
+        # Not read_table: its scanner threads can abort the process at exit
+        # (pipeline.parquet_bytes says how often).
+        table = pq.ParquetFile(f).read(columns=list(PASS_RATE_COLUMNS), use_threads=False)
     yield from table.to_pylist()
 
 

@@ -20,7 +20,6 @@ misses the target.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
@@ -30,13 +29,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.metrics import bootstrap_ci, pass_at_k_array  # noqa: E402
 from pipeline.paramserver import ParamServer, SnapshotNotFoundError  # noqa: E402
+from pipeline.parquet_bytes import table_from_bytes  # noqa: E402
 from pipeline.run import Run  # noqa: E402
 from tpu_jobs.evaluator import eval_key  # noqa: E402
 
@@ -50,7 +49,7 @@ KS = (1, 8)
 
 def per_problem_pass(run: Run, version: int) -> dict[int, np.ndarray]:
     """{k: per-problem unbiased pass@k} of `version` from its per-sample eval table."""
-    cols = pq.read_table(io.BytesIO(run.store.read(eval_key(version)))).to_pydict()
+    cols = table_from_bytes(run.store.read(eval_key(version))).to_pydict()
     n = int(max(cols["sample_index"])) + 1
     correct = (np.asarray(cols["reward"], np.float32) >= 1.0).reshape(-1, n)
     return {k: pass_at_k_array(n, correct.sum(1), k) for k in KS}

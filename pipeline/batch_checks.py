@@ -13,14 +13,13 @@ tokens), so they cost little next to a training step.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
+from pipeline.parquet_bytes import table_from_bytes
 from pipeline.rollouts import FULL_SCHEMA, KINDS, SCHEMA, RolloutBatch, batch_from_table
 
 # A sampled token's log-probability is <= 0; allow rounding of a low-precision sampler.
@@ -51,7 +50,7 @@ def read_checked(data: bytes, limits: BatchLimits) -> RolloutBatch | None:
 
     Raises BadBatchError otherwise."""
     try:
-        table = pq.read_table(io.BytesIO(data))
+        table = table_from_bytes(data)
     except (pa.ArrowException, OSError, ValueError) as err:
         raise BadBatchError(f"not a readable Parquet file ({type(err).__name__}: {err})") from None
     check_schema(table)

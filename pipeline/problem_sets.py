@@ -8,12 +8,12 @@ or a re-run changes nothing. The job role `data` (`pipeline.data_job`) runs eith
 
 from __future__ import annotations
 
-import io
 from collections import Counter
 from collections.abc import Sequence
 
 from pipeline.config import ConfigError
 from pipeline.layout import CURATED_PREFIX
+from pipeline.parquet_bytes import table_from_bytes
 from pipeline.run import CONFIG_KEY, Run
 from pipeline.tasks import get_task
 from pipeline.tasks.base import Problem
@@ -42,12 +42,11 @@ def write_data(run: Run) -> tuple[int, int]:
 
 def read_curated(store, split: str) -> list[Problem]:
     """Problems of one split of a curated output (`train`/`validation` shards)."""
-    import pyarrow.parquet as pq
 
     problems = []
     for key in store.list(f"{split}/"):
         if key.endswith(".parquet"):
-            for row in pq.read_table(io.BytesIO(store.read(key))).to_pylist():
+            for row in table_from_bytes(store.read(key)).to_pylist():
                 problems.append(Problem.from_dict(row))
     return problems
 

@@ -17,14 +17,13 @@ all-ones mask.
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.layout import ROLLOUTS_PREFIX
+from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
 
 SCHEMA = pa.schema(
     [
@@ -132,15 +131,13 @@ def to_parquet_bytes(batch: RolloutBatch) -> bytes:
         },
         schema=FULL_SCHEMA,
     )
-    sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
-    return sink.getvalue()
+    return table_to_bytes(table)
 
 
 def from_parquet_bytes(data: bytes) -> RolloutBatch:
     """A batch from its Parquet bytes, unchecked (the trainer reads through
     `pipeline.batch_checks.read_checked`)."""
-    return batch_from_table(pq.read_table(io.BytesIO(data)))
+    return batch_from_table(table_from_bytes(data))
 
 
 def batch_from_table(table: pa.Table) -> RolloutBatch:

@@ -7,7 +7,6 @@ config frozen in `config.json` at creation is what they all obey.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import time
 from collections.abc import Iterator
@@ -15,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.config import RunConfig, config_from_json, legacy_digest
 from pipeline.layout import (  # noqa: F401 - the layout, re-exported
@@ -36,6 +34,7 @@ from pipeline.layout import (  # noqa: F401 - the layout, re-exported
     ROLLOUTS_PREFIX,
     SPLITS,
 )
+from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
 from pipeline.storage import ObjectNotFound, ObjectStore, open_store
 from pipeline.tasks.base import Problem
 
@@ -117,9 +116,7 @@ class Run:
         table = pa.Table.from_pylist(
             [{**r, "meta": json.dumps(r["meta"], sort_keys=True)} for r in rows]
         )
-        sink = io.BytesIO()
-        pq.write_table(table, sink, compression="zstd")
-        return self.store.write_new(self.data_key(split), sink.getvalue())
+        return self.store.write_new(self.data_key(split), table_to_bytes(table))
 
     def has_problems(self, split: str) -> bool:
         return self.store.exists(self.data_key(split))
@@ -131,7 +128,7 @@ class Run:
             raise RunError(
                 f"run {self.url} has no {split} data yet; run `rlax init --run {self.url}`"
             ) from None
-        rows = pq.read_table(io.BytesIO(data)).to_pylist()
+        rows = table_from_bytes(data).to_pylist()
         return [Problem.from_dict({**r, "meta": json.loads(r["meta"])}) for r in rows]
 
     # -------------------------------------------------------------- metrics

@@ -38,7 +38,6 @@ stream `eval-{NAME}[-n{n}-k...]`.
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import time
 from collections import defaultdict
@@ -46,7 +45,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.metrics import (
     best_of_k,
@@ -59,6 +57,7 @@ from pipeline.metrics import (
     within_problem_auc,
 )
 from pipeline.paramserver import ParamServer
+from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
 from pipeline.run import DONE_KEY, Run
 from pipeline.tasks import get_task
 from pipeline.tasks.datasets import DATASETS, load_dataset
@@ -227,14 +226,12 @@ class Evaluator:
         t0 = time.time()
         if own and self.run.store.exists(self.samples_key(version)):
             # Same samples, other ks: re-summarise the stored rows, no sampling.
-            table = pq.read_table(io.BytesIO(self.run.store.read(self.samples_key(version))))
+            table = table_from_bytes(self.run.store.read(self.samples_key(version)))
             self.log(f"[eval] v{version}: summarising stored {self.samples_key(version)}")
         else:
             table = self._sample_and_score(version, server or self.ps)
             if own:
-                sink = io.BytesIO()
-                pq.write_table(table, sink, compression="zstd")
-                self.run.store.write_new(self.samples_key(version), sink.getvalue())
+                self.run.store.write_new(self.samples_key(version), table_to_bytes(table))
         record = self.summarise_table(version, table)
         record["seconds"] = time.time() - t0
         if own:

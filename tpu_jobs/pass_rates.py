@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import sys
 import time
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline.paramserver import ParamServer
+from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
 from pipeline.run import Run
 from pipeline.storage import glob, local_path, open_parent
 from pipeline.tasks import TASKS
@@ -72,7 +71,7 @@ def load_problems(pattern: str) -> list[Problem]:
         raise SystemExit(f"pass_rates: --data {pattern!r} matched no files")
     by_id: dict[str, Problem] = {}
     for path in files:
-        table = pq.read_table(io.BytesIO(_read_bytes(path)))
+        table = table_from_bytes(_read_bytes(path))
         missing = [c for c in _COLUMNS[:4] if c not in table.column_names]
         if missing:
             raise SystemExit(
@@ -190,9 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     table = pass_rates(
         run, problems, args.k, version, temperature=args.temperature, batch_size=args.batch_size
     )
-    sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
-    store.write_new(key, sink.getvalue())
+    store.write_new(key, table_to_bytes(table))
     rates = table.column("pass_rate").to_numpy()
     print(
         f"[pass-rates] wrote {store.url_of(key)}: {len(rates)} problems, k={args.k}, "

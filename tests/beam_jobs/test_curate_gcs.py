@@ -8,13 +8,11 @@ is the same code path as on real GCS.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import uuid
 
-import pyarrow.parquet as pq
-
 from beam_jobs import curate
+from pipeline.parquet_bytes import table_from_bytes
 from pipeline.storage import open_store
 from tests.beam_jobs.fixtures import MAX_ROW_BYTES, write_fixture
 
@@ -54,7 +52,7 @@ def test_gs_inputs_and_output(gcs_emulator, tmp_path):
     assert sorted(manifest["files"]) == sorted(k for k in store.list("") if k != "_SUCCESS")
     for key, meta in manifest["files"].items():
         assert hashlib.sha256(store.read(key)).hexdigest() == meta["sha256"]
-    dead = pq.read_table(io.BytesIO(store.read("dead_letter/part-00000-of-00001.parquet")))
+    dead = table_from_bytes(store.read("dead_letter/part-00000-of-00001.parquet"))
     sources = {s.replace(f"{base}/in/", "") for s in dead.column("source").to_pylist()}
     assert sources == {"a_gsm8k.jsonl", "b_math.parquet", "c_rlax.csv", "d_broken.parquet"}
 

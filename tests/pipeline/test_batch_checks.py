@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.batch_checks import BadBatchError, BatchLimits, read_checked
+from pipeline.parquet_bytes import table_from_bytes
 from pipeline.rollouts import RolloutBatch, from_parquet_bytes, to_parquet_bytes
 
 G, GROUPS, VOCAB = 2, 2, 56
@@ -47,7 +48,7 @@ def good_batch() -> RolloutBatch:
 
 
 def with_column(data: bytes, name: str, values, type_=None) -> bytes:
-    table = pq.read_table(io.BytesIO(data))
+    table = table_from_bytes(data)
     i = table.column_names.index(name)
     col = pa.array(values, type=type_ or table.schema.field(name).type)
     table = table.set_column(i, pa.field(name, col.type), col)
@@ -136,7 +137,7 @@ def test_garbage_bytes_are_refused_as_unreadable():
 
 
 def test_an_empty_batch_is_refused_unless_dynamic_sampling_may_commit_one():
-    empty = pq.read_table(io.BytesIO(to_parquet_bytes(good_batch()))).slice(0, 0)
+    empty = table_from_bytes(to_parquet_bytes(good_batch())).slice(0, 0)
     sink = io.BytesIO()
     pq.write_table(empty, sink)
     with pytest.raises(BadBatchError, match="has no rows"):

@@ -476,10 +476,14 @@ def test_pool_survives_a_program_that_kills_its_parent():
         ):
             pool.execute(program, "", Limits())
             assert pool.execute("print('alive')", "", Limits()).stdout == "alive\n"
-        # And when the worker does die (here killed from the host), the pool replaces it.
+        # And when the worker does die mid-run (here killed from the host), the run is
+        # reported as lost and the pool replaces the worker. (A worker killed while idle is
+        # replaced before it is handed a run: the test below.)
         (worker,) = pool.idle_workers()
-        os.killpg(worker.pid, signal.SIGKILL)
-        died = pool.execute("print('lost')", "", Limits())
+        killer = threading.Timer(1.0, os.killpg, (worker.pid, signal.SIGKILL))
+        killer.start()
+        died = pool.execute("import time; time.sleep(30)", "", Limits())
+        killer.join()
         assert died.status == "error" and "died" in died.stderr
         assert pool.execute("print('replaced')", "", Limits()).stdout == "replaced\n"
     finally:

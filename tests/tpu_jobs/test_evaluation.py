@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.paramserver import ParamServer
+from pipeline.parquet_bytes import table_from_bytes
 from pipeline.rollouts import RolloutBatch, to_parquet_bytes
 from pipeline.run import Run
 from pipeline.tokenizer import get_tokenizer
@@ -218,7 +219,7 @@ def test_orm_learns_planted_labels_and_is_idempotent(small_run):
 
 def test_real_evaluation_has_self_and_orm_scores(small_run):
     run, rec = small_run["run"], small_run["real"]
-    table = pq.read_table(io.BytesIO(run.store.read("eval/v00000000.parquet"))).to_pydict()
+    table = table_from_bytes(run.store.read("eval/v00000000.parquet")).to_pydict()
     n_rows = rec["num_problems"] * rec["num_samples"]
     for col in ("self_score", "orm_score"):
         s = np.asarray(table[col])
@@ -244,8 +245,8 @@ def test_eval_k_option_new_key_idempotent_and_resummarised(small_run, capsys):
     assert {"pass@8", "maj@2", "self_prm@8", "orm@8"} <= set(rec[0]["metrics"])
     assert run.store.exists("eval/v00000000-n8.parquet")
     # The default record of v0 (n=4) is untouched; the first 4 samples are the same keys.
-    default = pq.read_table(io.BytesIO(run.store.read("eval/v00000000.parquet"))).to_pydict()
-    big = pq.read_table(io.BytesIO(run.store.read("eval/v00000000-n8.parquet"))).to_pydict()
+    default = table_from_bytes(run.store.read("eval/v00000000.parquet")).to_pydict()
+    big = table_from_bytes(run.store.read("eval/v00000000-n8.parquet")).to_pydict()
     first4 = [c for c, s in zip(big["completion"], big["sample_index"], strict=True) if s < 4]
     assert first4 == default["completion"]
     capsys.readouterr()
@@ -428,7 +429,7 @@ def test_eval_on_a_built_in_dataset_has_keys_of_its_own(small_run, monkeypatch):
     (record,) = run.read_metrics("eval-tiny_code")
     assert record["num_problems"] == 2 and set(record["per_task"]) == {"code"}
     assert {"pass@1", "pass@4", "maj@4"} <= set(record["metrics"])
-    table = pq.read_table(io.BytesIO(run.store.read("eval/v00000000-tiny_code.parquet")))
+    table = table_from_bytes(run.store.read("eval/v00000000-tiny_code.parquet"))
     assert set(table.column("problem_id").to_pylist()) == {p.problem_id for p in tiny}
     assert run.read_metrics("eval") == before  # the held-out records are untouched
     with pytest.raises(SystemExit):

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, RolloutConfig
+from pipeline.parquet_bytes import table_from_bytes
 from pipeline.rollouts import SCHEMA, RolloutBatch, from_parquet_bytes, to_parquet_bytes
 from pipeline.run import base_server
 from pipeline.tasks import get_task
@@ -111,7 +112,7 @@ def test_judge_rows_round_trip_and_old_batches_still_read():
     assert r.token_mask(0) == [1] * len(b.completion_ids[0])
     assert r.token_mask(4)[-2:] == [1, 1] and sum(r.token_mask(4)) == 2
     # A batch written before the optional columns: every row a solve row, all-ones mask.
-    table = pq.read_table(io.BytesIO(to_parquet_bytes(b))).select(SCHEMA.names)
+    table = table_from_bytes(to_parquet_bytes(b)).select(SCHEMA.names)
     assert table.schema == SCHEMA
     sink = io.BytesIO()
     pq.write_table(table, sink)

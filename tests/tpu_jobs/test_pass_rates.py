@@ -3,7 +3,6 @@ correctness per sample is a known function of its key), and one real tiny-model 
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.paramserver import ParamServer
+from pipeline.parquet_bytes import table_from_bytes
 from pipeline.run import Run
 from pipeline.tasks import TASKS
 from pipeline.tasks.mix import build_splits
@@ -114,7 +114,7 @@ def test_cli_real_model_writes_once(run_with_weights, capsys):
     argv = ["--run", run.url, "--data", str(tmp / "*.parquet"), "--k", "2", "--batch-size", "8"]
     assert pr.main(argv) == 0
     key = pr.default_key(3, 2, problems)
-    table = pq.read_table(io.BytesIO(run.store.read(key)))
+    table = table_from_bytes(run.store.read(key))
     assert sorted(table.column("problem_id").to_pylist()) == [p.problem_id for p in problems]
     rates = table.column("pass_rate").to_numpy()
     assert np.all((rates == 0) | (rates == 0.5) | (rates == 1))
