@@ -9,24 +9,26 @@ x in order, each with a small constant c:
 rendered as one Python expression (an infix inner operation is parenthesised when the
 outer one is infix too, always, so the form does not depend on precedence):
 
-    prompt      f(0)=3;f(1)=5;f(2)=7;f(3)=9;f(4)=11;f(5)=13; def f(x): return
-    completion  (x*2)+3
+    prompt      f(0)=-2;f(1)=0;f(2)=2;f(7)=12;f(13)=24;f(22)=42; def f(x): return
+    completion  (x*2)-2
 
-The prompt shows f on 0..examples-1 and ends with the function's header, so the completion
-is the body that continues it (HumanEval's shape: `meta["prefix"]` is the header and
-`pipeline.tasks.code_task` puts it in front of a completion that does not define `f`).
-The hidden tests (`meta["tests"]`, HumanEval's `check(candidate)` form) evaluate f at
-`tests` inputs drawn from examples..examples+HIDDEN_SPAN-1, never shown. Every character
-of a prompt and of a teacher's completion is in the char tokenizer's CHARSET.
+The prompt shows f at 0, 1, 2 and at `examples - 3` other inputs (ascending) and ends with
+the function's header, so the completion is the body that continues it (HumanEval's
+shape: `meta["prefix"]` is the header, and `pipeline.tasks.code_task` puts it in front of
+a completion that does not define `f`). The hidden tests (`meta["tests"]`, HumanEval's
+`check(candidate)` form) evaluate f at `tests` other inputs, never shown; every input lies
+in 0..DOMAIN-1. Every character of a prompt and of a teacher's completion is in the char
+tokenizer's CHARSET. No string operations: the charset has no quote character.
 
 Why this shape. The 0.6M-parameter demo model has no scratchpad here (the completion is
-the program), so the examples are consecutive inputs from 0: each operation then has a
-visible signature (add: c, c+1, ...; mul: 0, c, 2c, ...; mod: 0, 1, .., c-1, 0; max: c, c,
-.., c+1; ...) and its constant is read off the examples. A problem is kept only if every
-DSL program of at most `max_ops` operations that agrees with it on the examples also
-agrees on the hidden inputs (`identified`), so the examples always determine the answer.
-Inputs are never negative, so programs that differ only below 0 (max(x+3,1) and x+3)
-count as the same.
+the program), so the examples always start with f(0), f(1), f(2): most operations then
+show their constant there (add: c, c+1, c+2; mul: 0, c, 2c; max: c, c, c; absdiff: c,
+c-1, c-2) and the other inputs, drawn at random, tell div, mod and min apart and make
+prompts varied enough for 20000 distinct training problems. A problem is kept only if the
+examples determine the hidden outputs by Occam's rule (`identified`): every DSL program
+of at most as many operations that fits the examples agrees at the hidden inputs, and no
+shorter one fits. Inputs are never negative, so programs that differ only below 0
+(max(x+3,1) and x+3) count as the same.
 
 Teacher mistake (systematic): each operation, with probability `error_prob`, is replaced
 by a plausible slip: its constant off by one, or a neighbouring operator (add<->sub,
