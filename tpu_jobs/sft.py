@@ -67,6 +67,12 @@ def label_balanced(task, problem, text, coin, rng, options) -> tuple[str, str]:
 JUDGE_LABELS = {"random": label_by_coin, "verifier": label_by_verifier, "balanced": label_balanced}
 
 
+def has_teacher(problem) -> bool:
+    """Whether the problem's family can demonstrate it (generated, not curated, problems)."""
+    task = TASKS[problem.task]
+    return isinstance(task, SyntheticTask) and task.has_teacher(problem)
+
+
 def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completion_len: int):
     cfg = run.config
     rng = np.random.default_rng([cfg.seed, step, 0x5F7])
@@ -112,12 +118,12 @@ def train_sft(run: Run) -> dict[str, float]:
         return {}
     tok = run_tokenizer(run)
     problems = run.read_problems("train")
-    no_teacher = sorted({p.task for p in problems if not isinstance(TASKS[p.task], SyntheticTask)})
+    no_teacher = sorted({p.task for p in problems if not has_teacher(p)})
     if no_teacher:
         raise ValueError(
-            f"the SFT bootstrap needs a teacher, and task families {no_teacher} of run "
-            f"{run.url} come from a dataset with no teacher: start from a pretrained model "
-            "instead (`rlax import-hf`, or the DAG's hf_checkpoint param)"
+            f"the SFT bootstrap needs a teacher, and problems of task families {no_teacher} "
+            f"in run {run.url} come from a dataset with no teacher: start from a pretrained "
+            "model instead (`rlax import-hf`, or the DAG's hf_checkpoint param)"
         )
     prompt_len = round_up(max(len(tok.encode_prompt(p.prompt)) for p in problems), 8)
     completion_len = cfg.sampler.max_new_tokens

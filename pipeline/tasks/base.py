@@ -135,6 +135,12 @@ class SyntheticTask(Task):
     def teacher_solution(self, problem: Problem, rng: np.random.Generator, options: Any) -> str:
         """A worked completion (without EOS) carrying the teacher's systematic mistakes."""
 
+    def has_teacher(self, problem: Problem) -> bool:
+        """Whether `teacher_solution` can demonstrate `problem`: a family that also scores
+        curated dataset problems (code) has a teacher only for the ones it generated."""
+        del problem
+        return True
+
     @abstractmethod
     def max_completion_chars(self, options: Any) -> int:
         """An upper bound on the length of any teacher completion under `options`."""

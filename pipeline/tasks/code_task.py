@@ -46,8 +46,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from pipeline.sandbox import ExecResult, Job, Limits, execute_many
-from pipeline.tasks.base import Problem, Task
+from pipeline.tasks import code_dsl
+from pipeline.tasks.base import Problem, SyntheticTask, make_problem
 
 # Per run. HumanEval's evaluator defaults to 3 s per problem; these runs share the CPUs
 # with generation on a rollout worker, so twice that. APPS's harness gives an io case 4 s.
@@ -275,10 +278,47 @@ def run_checks(groups: Sequence[Sequence[Check]]) -> list[float]:
     return scores
 
 
-class CodeTask(Task):
-    """Python programs scored by sandboxed tests (HumanEval/MBPP asserts or stdin/stdout)."""
+class CodeTask(SyntheticTask):
+    """Python programs scored by sandboxed tests (HumanEval/MBPP asserts or stdin/stdout).
+
+    Problems come from datasets (curated) or from the DSL generator of
+    `pipeline.tasks.code_dsl` (`task.code.*`), whose problems carry HumanEval-style tests,
+    so one verifier scores both; only generated problems have a teacher (`has_teacher`).
+    """
 
     name: ClassVar[str] = "code"
+    Options: ClassVar[type] = code_dsl.CodeOptions
+    NOISE_FIELDS = ("error_prob",)
+
+    def sample_problem(self, rng: np.random.Generator, options: code_dsl.CodeOptions) -> Problem:
+        program, shown, hidden = code_dsl.sample(rng, options)
+        meta = {
+            "tests": code_dsl.tests_text(program, hidden),
+            "entry_point": code_dsl.ENTRY_POINT,
+            "prefix": code_dsl.HEADER,
+            "program": [list(op) for op in program],
+            "hidden": hidden,
+        }
+        prompt = code_dsl.prompt_text(program, shown)
+        return make_problem(self.name, prompt, code_dsl.render(program), meta)
+
+    def has_teacher(self, problem: Problem) -> bool:
+        return "program" in problem.meta
+
+    def teacher_solution(
+        self, problem: Problem, rng: np.random.Generator, options: code_dsl.CodeOptions
+    ) -> str:
+        if not self.has_teacher(problem):
+            raise ValueError(
+                f"code problem {problem.problem_id} comes from a dataset and has no teacher: "
+                "only problems of the DSL generator (meta 'program') can be demonstrated"
+            )
+        program = code_dsl.parse_program(problem.meta["program"])
+        wrong = code_dsl.teacher_program(program, problem.meta["hidden"], rng, options)
+        return code_dsl.render(wrong)
+
+    def max_completion_chars(self, options: code_dsl.CodeOptions) -> int:
+        return code_dsl.max_render_chars(options)
 
     def extract_answer(self, completion: str) -> str | None:
         return extract_program(completion)

@@ -230,7 +230,7 @@ def test_one_execute_many_call_runs_every_case_of_the_batch(monkeypatch):
 # -------------------------------------------------------------------- problem checks
 
 
-def test_code_is_a_registered_dataset_family():
+def test_code_is_a_registered_family():
     assert TASKS["code"] is CODE and isinstance(CODE, ct.CodeTask)
 
 

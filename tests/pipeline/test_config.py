@@ -139,6 +139,12 @@ BAD_VALUES = {
     "sft.check_every": 0,
     "task.arithmetic.carry_drop_prob": 1.0,
     "task.countdown.error_prob": -0.5,
+    "task.code.max_ops": 3,
+    "task.code.min_ops": 0,
+    "task.code.max_const": 1,
+    "task.code.examples": 3,
+    "task.code.tests": 0,
+    "task.code.error_prob": 1.0,
     "sft.judge_fraction": 2,
     "sampler.temperature": -1,
     "sampler.top_k": -1,
@@ -364,14 +370,29 @@ def test_family_options_live_in_their_own_sections_and_old_spellings_still_load(
         load_config(None, extra={"task": {"max_digits": 3, "arithmetic": {"max_digits": 4}}})
 
 
-def test_dataset_families_have_no_generator_and_say_where_problems_come_from():
+def test_dataset_families_have_no_generator_and_say_where_problems_come_from(monkeypatch):
+    # Every built-in family generates problems now (code also scores curated ones), so a
+    # real dataset-only family, a verifier and nothing else, is registered for the test.
+    from pipeline import config as config_module
     from pipeline.tasks import TASKS
-    from pipeline.tasks.base import SyntheticTask
+    from pipeline.tasks.base import Task, final_answer
     from pipeline.tasks.mix import synthetic_task
 
+    class LookupTask(Task):
+        name = "lookup"
+
+        def extract_answer(self, completion):
+            return final_answer(completion, 16)
+
+        def verify(self, problem, completion):
+            return float(self.extract_answer(completion) == problem.answer)
+
+    monkeypatch.setitem(TASKS, "lookup", LookupTask())
     assert synthetic_task("arithmetic").name == "arithmetic"
-    dataset = [n for n, t in TASKS.items() if not isinstance(t, SyntheticTask)]
-    for name in dataset:
-        with pytest.raises(ValueError, match="no problem generator.*source_data"):
-            synthetic_task(name)
-        assert not hasattr(load_config(None).task, name)  # no options section for it
+    assert synthetic_task("code").name == "code"
+    with pytest.raises(
+        ValueError, match="'lookup' has a verifier but no problem generator.*source_data"
+    ):
+        synthetic_task("lookup")
+    fields = {f.name for f in dataclasses.fields(config_module._task_config_class())}
+    assert {"arithmetic", "countdown", "code"} <= fields and "lookup" not in fields

@@ -9,6 +9,7 @@ from pipeline.config import ConfigError, TaskConfig, from_dict
 from pipeline.tasks import TASKS, UnknownTaskError, expr, get_task
 from pipeline.tasks.arithmetic import ArithmeticOptions, ArithmeticTask, columns, render
 from pipeline.tasks.base import Problem, SyntheticTask, problem_id
+from pipeline.tasks.code_dsl import CodeOptions
 from pipeline.tasks.countdown import CountdownOptions, CountdownTask, slip, solution_text
 from pipeline.tasks.mix import build_splits
 
@@ -16,6 +17,7 @@ from pipeline.tasks.mix import build_splits
 CLEAN = {
     "arithmetic": ArithmeticOptions(carry_drop_prob=0.0),
     "countdown": CountdownOptions(error_prob=0.0),
+    "code": CodeOptions(error_prob=0.0),
 }
 
 
@@ -26,7 +28,7 @@ def tc(**fields):
 
 ARITH: ArithmeticTask = TASKS["arithmetic"]
 COUNT: CountdownTask = TASKS["countdown"]
-# Families that generate their problems (code is a dataset family: no generator).
+# Families that generate their problems (all of them: code also scores curated problems).
 SYNTHETIC = {name: t for name, t in TASKS.items() if isinstance(t, SyntheticTask)}
 
 
@@ -52,7 +54,7 @@ def sample(task, n, seed, cfg=None):
 
 def test_registry_and_config_validation():
     assert set(TASKS) == {"arithmetic", "countdown", "code", "math"}
-    assert set(SYNTHETIC) == {"arithmetic", "countdown"}
+    assert set(SYNTHETIC) == {"arithmetic", "countdown", "code"}
     assert get_task("countdown") is COUNT
     with pytest.raises(
         UnknownTaskError,
@@ -212,13 +214,19 @@ def test_arithmetic_sampling_distribution():
 def test_error_free_teacher_always_verifies(name):
     task = TASKS[name]
     rng = np.random.default_rng(1)
+    # The final answer: the arithmetic result, countdown's expression, code's program.
+    answer = {
+        "arithmetic": lambda p, text: p.answer,
+        "countdown": lambda p, text: text.split("#")[-1],
+        "code": lambda p, text: text + "\n",
+    }[name]
     for cfg in (TaskConfig(), tc(min_digits=1, max_digits=8, countdown_numbers=5)):
-        for p in sample(task, 1000, seed=2, cfg=cfg):
-            text = task.teacher_solution(p, rng, CLEAN[name])
-            assert task.verify(p, text) == 1.0, (p.prompt, text)
-            assert task.extract_answer(text) == (
-                p.answer if name == "arithmetic" else text.split("#")[-1]
-            )
+        problems = sample(task, 1000, seed=2, cfg=cfg)
+        texts = [task.teacher_solution(p, rng, CLEAN[name]) for p in problems]
+        # One batch: the code family runs each in the sandbox.
+        assert task.verify_batch(problems, texts) == [1.0] * len(problems)
+        for p, text in zip(problems, texts, strict=True):
+            assert task.extract_answer(text) == answer(p, text)
 
 
 def test_noisy_arithmetic_teacher_error_rate_matches_the_carry_counts():

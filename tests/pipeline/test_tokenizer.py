@@ -22,7 +22,7 @@ TOK = get_tokenizer("char")
 def test_special_ids_and_vocab_size():
     assert (TOK.pad_id, TOK.bos_id, TOK.eos_id) == (0, 1, 2) == (PAD_ID, BOS_ID, EOS_ID)
     assert UNK_ID == 3
-    assert TOK.vocab_size == 4 + len(CHARSET) == 56
+    assert TOK.vocab_size == 4 + len(CHARSET) == 57
     assert TOK.vocab_size <= ModelConfig().vocab_size == 64
     ids = TOK.encode(CHARSET)
     assert ids == list(range(4, 4 + len(CHARSET)))
