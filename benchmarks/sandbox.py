@@ -8,6 +8,10 @@ against a plain subprocess per run and against unsafe in-process `exec`, in the 
   a new interpreter for each run: what the pre-started pool saves.
 * in-process exec: `exec` in the caller's process (no isolation at all, and the GIL keeps
   it to one core): the ceiling.
+* remote service: the same `execute` through `rlax sandbox serve` on 127.0.0.1 (its own
+  process, one worker per CPU, a token), i.e. a verifier with `sandbox.url` set: what
+  HTTP, JSON and the service's admission add to the isolated row. Service and callers
+  share the machine's cores here; on a deployment the service has its own.
 
 Each mode runs `--runs` verifications from `--callers` threads at once (default 2, the
 machine's cores). The programs are five HumanEval-style problems (a solution, a `check`
@@ -25,6 +29,8 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
+import secrets
 import statistics
 import subprocess
 import sys
@@ -37,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.sandbox import execute  # noqa: E402
+from pipeline.sandbox.client import RemoteSandbox  # noqa: E402
 from pipeline.sandbox.isolation import interpreter, launch  # noqa: E402
 from pipeline.sandbox.limits import Limits  # noqa: E402
 from pipeline.sandbox.pool import pool_for  # noqa: E402
@@ -191,11 +198,42 @@ def run_in_process(program: str) -> bool:
     return True
 
 
+class Service:
+    """`rlax sandbox serve` on a free port of 127.0.0.1, started on first use."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.client: RemoteSandbox | None = None
+
+    def start(self) -> RemoteSandbox:
+        token = secrets.token_hex(16)
+        env = dict(os.environ, RLAX_SANDBOX_TOKEN=token, PYTHONPATH=str(ROOT))
+        cmd = [sys.executable, "-m", "pipeline.cli", "sandbox", "serve", "--port", "0"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        for line in self.proc.stdout:
+            if match := re.search(r"serving (http://\S+)", line):
+                return RemoteSandbox(match.group(1), token)
+        raise SystemExit(f"the sandbox service did not start (exit {self.proc.wait()})")
+
+    def run(self, program: str) -> bool:
+        if self.client is None:
+            self.client = self.start()
+        return self.client.execute(program, limits=Limits(timeout_s=10, memory_mb=512)).ok
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+
+
+SERVICE = Service()
+
 MODES: dict[str, Callable[[str], bool]] = {
     "isolated (pipeline.sandbox)": run_isolated,
     "plain subprocess (python -I -c)": run_plain,
     "cold sandbox per run (bwrap + python -I -S -c)": run_cold_sandbox,
     "in-process exec (unsafe ceiling)": run_in_process,
+    "remote service (rlax sandbox serve, 127.0.0.1)": SERVICE.run,
 }
 
 
@@ -234,10 +272,13 @@ def main(argv: list[str] | None = None) -> None:
     pool_for(Limits(timeout_s=10, memory_mb=512)).warm()
     warm_s = time.perf_counter() - start
     results = {}
-    for name, run in MODES.items():
-        measure(run, 2 * len(PROBLEMS) * 2, args.callers)  # warm-up, untimed
-        results[name] = measure(run, args.runs, args.callers)
-        print(name, {k: round(v, 2) for k, v in results[name].items()}, flush=True)
+    try:
+        for name, run in MODES.items():
+            measure(run, 2 * len(PROBLEMS) * 2, args.callers)  # warm-up, untimed
+            results[name] = measure(run, args.runs, args.callers)
+            print(name, {k: round(v, 2) for k, v in results[name].items()}, flush=True)
+    finally:
+        SERVICE.stop()
 
     plain = results["plain subprocess (python -I -c)"]["runs_per_s"]
     lines = [
@@ -264,7 +305,10 @@ def main(argv: list[str] | None = None) -> None:
         "The issue's floor is 50/s and its aim 100/s on 2 cores. Isolated runs fork a warm "
         "worker inside its namespaces instead of starting namespaces and an interpreter per "
         "run (the cold row), so they can beat even the unisolated subprocess; in-process "
-        "exec is the ceiling no process boundary reaches.",
+        "exec is the ceiling no process boundary reaches. The remote row is the isolated "
+        "row behind HTTP on the same cores (the service, its workers and the callers all "
+        "share them); a service on its own machine adds the network's round trip instead, "
+        "and replicas behind a load balancer add throughput (docs/sandbox.md).",
         "",
     ]
     Path(args.out).write_text("\n".join(lines))

@@ -14,6 +14,8 @@
     rlax import-hf PATH --run URL                          HF checkpoint (+ tokenizer) -> base
     rlax airflow [--port N]                                 serve a local Airflow (UI)
     rlax chaos  [--config FILE] [--kills 20] [--out FILE]   kill -9 at random, compare
+    rlax sandbox serve --host 127.0.0.1 --port N [--token-env NAME] [--concurrency N]
+                       [--queue N] [--ro-path DIR ...]      the sandbox as an HTTP service
 
 Overrides are dotted config paths, e.g. `trainer.lr=3e-4 task.families=arithmetic` or
 `mesh.trainer=[1,-1,1]` (device meshes, docs/scaling.md).
@@ -24,6 +26,7 @@ cluster would run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -123,6 +126,32 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     return launcher.run_supervised(cmd + list(args.overrides), launcher.job_env())
 
 
+def cmd_sandbox_serve(args: argparse.Namespace) -> int:
+    from pipeline.sandbox.service import MAX_WORKER_KINDS, serve
+
+    # The token is read from the environment, never the command line (which `ps` shows).
+    token = os.environ.get(args.token_env) or None
+    if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"rlax sandbox: warning: ${args.token_env} is unset, so anyone who can reach "
+            f"{args.host}:{args.port} can run code here; set it to a shared secret",
+            file=sys.stderr,
+        )
+    # Ctrl-C before the server took over its signals: serve's cleanup ran, nothing to say.
+    with contextlib.suppress(KeyboardInterrupt):
+        serve(
+            args.host,
+            args.port,
+            token=token,
+            concurrency=args.concurrency or None,
+            queue=args.queue,
+            ro_paths=tuple(args.ro_path),
+            max_worker_kinds=args.max_worker_kinds or MAX_WORKER_KINDS,
+            log=lambda m: print(m, flush=True),
+        )
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     return launcher.run_job("report", args.run)
 
@@ -204,6 +233,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-interval", type=float, default=5.0, help="seconds between kills, max")
     p.add_argument("--out", help="write the report table (markdown) and JSON here")
     p.set_defaults(func=cmd_chaos)
+
+    p = sub.add_parser("sandbox", help="the sandbox as an HTTP service (docs/sandbox.md)")
+    sandbox = p.add_subparsers(dest="sandbox_command", required=True)
+    p = sandbox.add_parser("serve", help="serve POST /run_code and GET /health until Ctrl-C")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=8080, help="port (0: a free one)")
+    p.add_argument(
+        "--token-env",
+        default="RLAX_SANDBOX_TOKEN",
+        help="environment variable holding the shared token (unset: no token required)",
+    )
+    p.add_argument("--concurrency", type=int, default=0, help="runs at once (0: one per CPU)")
+    p.add_argument(
+        "--queue",
+        type=int,
+        default=None,
+        help="requests that may wait for a run slot; beyond, 429 (default: --concurrency)",
+    )
+    p.add_argument(
+        "--ro-path",
+        action="append",
+        default=[],
+        help="a host directory requests may bind read-only (rlax_limits.extra_ro_paths)",
+    )
+    p.add_argument(
+        "--max-worker-kinds",
+        type=int,
+        default=None,
+        help="distinct rlax_limits worker kinds (packages, warmup, mounts) kept at once "
+        "(default 8)",
+    )
+    p.set_defaults(func=cmd_sandbox_serve)
 
     p = sub.add_parser("import-hf", help="publish a Hugging Face checkpoint as a run's base")
     p.add_argument("path", help="directory with config.json + *.safetensors (+ tokenizer.json)")

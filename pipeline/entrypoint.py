@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import yaml
 
 from pipeline.config import ConfigError
+from pipeline.sandbox import SandboxError
 from pipeline.storage import ObjectNotFound, StorageError
 
 DEBUG_ENV = "RLAX_DEBUG"
@@ -41,6 +42,8 @@ def describe(err: BaseException) -> str | None:
         return f"config error: {err}"
     if isinstance(err, RunError):
         return str(err)
+    if isinstance(err, SandboxError):  # names the sandbox or service, and what to do
+        return f"sandbox error: {err}"
     if isinstance(err, yaml.YAMLError):
         return f"invalid YAML: {str(err).splitlines()[0]} (check the file's indentation)"
     if isinstance(err, ObjectNotFound):

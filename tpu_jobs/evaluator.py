@@ -380,9 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     ks = parse_ks(args.k) if args.k else None
-    ev = Evaluator(
-        Run.open(args.run), ks=ks, log=lambda m: print(m, flush=True), dataset=args.dataset
-    )
+    run = Run.open(args.run)
+    run.config.sandbox.apply()  # verifiers' programs: the local pool or the run's service
+    ev = Evaluator(run, ks=ks, log=lambda m: print(m, flush=True), dataset=args.dataset)
     if ev.stream != "eval":
         print(f"[eval] n={ev.n} ks={list(ev.ks)}: records in metrics/{ev.stream}/", flush=True)
     done: set[int] = set()

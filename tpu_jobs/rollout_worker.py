@@ -408,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", required=True, help="run URL (directory or gs://bucket/prefix)")
     parser.add_argument("--worker-id", default=f"{socket.gethostname()}-{os.getpid()}")
     args = parser.parse_args(argv)
-    worker = RolloutWorker(Run.open(args.run), args.worker_id, log=lambda m: print(m, flush=True))
+    run = Run.open(args.run)
+    run.config.sandbox.apply()  # verifiers' programs: the local pool or the run's service
+    worker = RolloutWorker(run, args.worker_id, log=lambda m: print(m, flush=True))
     signal.signal(signal.SIGTERM, worker.request_stop)
     n = worker.run_forever()
     print(f"[{args.worker_id}] exiting after {n} batches", flush=True)

@@ -1,8 +1,11 @@
-"""What a sandboxed run returns, and the error raised when no sandbox can run at all."""
+"""What a sandboxed run is given (`Job`) and returns (`ExecResult`), and the error raised when
+no sandbox can run at all."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pipeline.sandbox.limits import Limits
 
 # "ok": exit 0; "error": any other exit, or killed by a signal; "timeout": the wall clock
 # or the CPU limit; "memory": an allocation past `memory_mb` (MemoryError);
@@ -30,3 +33,12 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One program to run: its text, standard input and limits (None: `Limits()`)."""
+
+    code: str
+    stdin: str = ""
+    limits: Limits | None = None

@@ -79,6 +79,11 @@ def test_preset_fills_sizes_and_explicit_value_wins():
         ("mesh.sampler=[-1,-1,1]", ["mesh.sampler", "at most one"]),
         ("mesh.trainer=[0,1,1]", ["mesh.trainer", ">= 1 or -1"]),
         ("model.tokenizer=bpe", ["model.tokenizer", "'char'", "'byte'", "'hf'"]),
+        ("sandbox.url=ftp://host:21", ["sandbox.url", "http://host:port"]),
+        ("sandbox.url=http://host", ["sandbox.url", "http://host:port"]),
+        ("sandbox.url=http://host:8080/run_code", ["sandbox.url", "nothing after it"]),
+        ("sandbox.url=http://host:99999", ["sandbox.url", "http://host:port"]),
+        ("sandbox.token_env=MY-TOKEN", ["sandbox.token_env", "environment variable name"]),
         ("nonsense", ["section.field=value"]),
     ],
 )
@@ -199,6 +204,7 @@ BAD_VALUES = {
     "eval.orm_holdout": 1.0,
     "mesh.trainer": "[0, 1, 1]",
     "mesh.sampler": "[1, 1, 1, 1]",
+    "sandbox.concurrency": -1,
 }
 
 
@@ -396,3 +402,28 @@ def test_dataset_families_have_no_generator_and_say_where_problems_come_from(mon
         synthetic_task("lookup")
     fields = {f.name for f in dataclasses.fields(config_module._task_config_class())}
     assert {"arithmetic", "countdown", "code"} <= fields and "lookup" not in fields
+
+
+def test_sandbox_section_defaults_leave_the_digest_and_the_backend_alone(monkeypatch):
+    """`sandbox` came after runs existed: its defaults change no digest, and `apply` with no
+    url keeps the process's backend (the local pool, or RLAX_SANDBOX_URL)."""
+    import pipeline.sandbox as sandbox
+    from pipeline.sandbox.client import RemoteSandbox
+
+    cfg = config_from_json(OLD_CONFIG.read_text())
+    assert cfg.sandbox == load_config(None).sandbox and cfg.sandbox.url == ""
+    assert dataclasses.replace(cfg, sandbox=type(cfg.sandbox)()).digest() == cfg.digest()
+    monkeypatch.setattr(sandbox, "_backend", None)
+    cfg.sandbox.apply()
+    assert sandbox._backend is None  # untouched: chosen from the environment on first use
+
+    monkeypatch.setenv("MY_SANDBOX_TOKEN", "t0k")
+    remote = load_config(
+        None, ["sandbox.url=http://127.0.0.1:8123", "sandbox.token_env=MY_SANDBOX_TOKEN"]
+    )
+    assert remote.digest() != cfg.digest()
+    remote.sandbox.apply()
+    backend = sandbox.backend()
+    assert isinstance(backend, RemoteSandbox) and backend.url == "http://127.0.0.1:8123"
+    assert backend._http.headers["authorization"] == "Bearer t0k"
+    sandbox.configure(None)  # back to the local pool
