@@ -140,7 +140,8 @@ def package_paths(names: tuple[str, ...]) -> list[str]:
     packages read their own version through `importlib.metadata` (latex2sympy2 picks its
     ANTLR grammar that way). SandboxError names a module that is missing, or that the
     sandbox's host user cannot read."""
-    providers = importlib.metadata.packages_distributions()
+    if not names:
+        return []
     found = []
     for name in names:
         spec = importlib.util.find_spec(name)
@@ -151,10 +152,7 @@ def package_paths(names: tuple[str, ...]) -> list[str]:
             )
         locations = list(spec.submodule_search_locations or [])
         paths = [locations[0] if locations else spec.origin]
-        for dist_name in providers.get(name, []):
-            dist = importlib.metadata.distribution(dist_name)
-            info = {f.parts[0] for f in dist.files or [] if f.parts[0].endswith(".dist-info")}
-            paths += [str(dist.locate_file(d)) for d in sorted(info)]
+        paths += _dist_info_paths(name)
         for path in paths:
             if not _reachable_by_sandbox(path):
                 raise SandboxError(
@@ -162,6 +160,19 @@ def package_paths(names: tuple[str, ...]) -> list[str]:
                 )
         found += paths
     return found
+
+
+@functools.cache
+def _dist_info_paths(module: str) -> tuple[str, ...]:
+    """The `*.dist-info` directories of the distributions that provide `module`. Cached:
+    `packages_distributions` reads every installed distribution's metadata (0.17 s with
+    this project's environment), five times what starting a cold sandbox costs."""
+    paths = []
+    for dist_name in importlib.metadata.packages_distributions().get(module, []):
+        dist = importlib.metadata.distribution(dist_name)
+        info = {f.parts[0] for f in dist.files or [] if f.parts[0].endswith(".dist-info")}
+        paths += [str(dist.locate_file(d)) for d in sorted(info)]
+    return tuple(paths)
 
 
 def worker_setup(limits: Limits) -> dict[str, Any]:

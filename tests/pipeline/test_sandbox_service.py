@@ -297,3 +297,36 @@ def test_bad_requests_name_the_field_and_what_is_allowed(service):
         reply = httpx.post(service.url + "/run_code", json=body, headers=auth, timeout=10)
         assert reply.status_code == 400, (body, reply.text)
         assert words in reply.json()["detail"], (body, reply.text)
+
+
+def test_math_and_code_families_judge_the_same_through_the_service(tmp_path, monkeypatch):
+    """With `sandbox.url` set, the verifiers' runs go to the service: same rewards as the
+    local pool, including math-verify's packages bound on the service's side. (Its own
+    service: the shared one's worker kinds are used up by the tests above.)"""
+    from pipeline.tasks import get_task
+    from pipeline.tasks.base import Problem
+
+    math = [
+        (Problem("m0", "math", "q", "$\\frac{14}{3}$", {}), "so \\boxed{\\frac{28}{6}}"),
+        (Problem("m1", "math", "q", "7,425,000", {}), "The answer is \\boxed{7425000}."),
+        (Problem("m2", "math", "q", "28\\%", {}), "\\boxed{27\\%}"),
+    ]
+    tests = "def check(f):\n    assert f(2) == 4 and f(-3) == 9\n"
+    code = [
+        (Problem("c0", "code", "q", "", {"tests": tests, "entry_point": "sq"}), body)
+        for body in ("```python\ndef sq(x):\n    return x * x\n```", "def sq(x): return 2 * x")
+    ]
+    cases = {"math": math, "code": code}
+    local = {f: get_task(f).verify_batch(*zip(*pairs)) for f, pairs in cases.items()}
+    assert local == {"math": [1.0, 1.0, 0.0], "code": [1.0, 0.0]}
+    monkeypatch.setattr(sandbox, "_backend", None)
+    service = Service(tmp_path)
+    try:
+        sandbox.configure(service.url, TOKEN)
+        assert isinstance(sandbox.backend(), RemoteSandbox)
+        remote = {f: get_task(f).verify_batch(*zip(*pairs)) for f, pairs in cases.items()}
+        assert service.health()["served"] == 5  # every run went to the service
+    finally:
+        sandbox.configure(None)
+        service.stop()
+    assert remote == local
