@@ -317,14 +317,16 @@ def test_math_and_code_families_judge_the_same_through_the_service(tmp_path, mon
         for body in ("```python\ndef sq(x):\n    return x * x\n```", "def sq(x): return 2 * x")
     ]
     cases = {"math": math, "code": code}
-    local = {f: get_task(f).verify_batch(*zip(*pairs)) for f, pairs in cases.items()}
+    local = {f: get_task(f).verify_batch(*zip(*pairs, strict=True)) for f, pairs in cases.items()}
     assert local == {"math": [1.0, 1.0, 0.0], "code": [1.0, 0.0]}
     monkeypatch.setattr(sandbox, "_backend", None)
     service = Service(tmp_path)
     try:
         sandbox.configure(service.url, TOKEN)
         assert isinstance(sandbox.backend(), RemoteSandbox)
-        remote = {f: get_task(f).verify_batch(*zip(*pairs)) for f, pairs in cases.items()}
+        remote = {
+            f: get_task(f).verify_batch(*zip(*pairs, strict=True)) for f, pairs in cases.items()
+        }
         assert service.health()["served"] == 5  # every run went to the service
     finally:
         sandbox.configure(None)
