@@ -161,24 +161,28 @@ class ModelPrograms:
         self.fns, _ = split_model(abstract)
         fns, p = self.fns, prompt_len
 
+        # Only the completion's log-probs are taken (`first=p`): the LM head, in chunks of
+        # model_cfg.logits_chunk tokens, never runs on the prompt positions.
         def outputs(params, tokens, mask):
             if values or entropy:
-                out = policy_forward(
-                    fns.merge(params["policy"]),
-                    tokens,
-                    mask,
-                    temperature,
-                    params.get("value"),
-                    entropy=entropy,
+                return tuple(
+                    policy_forward(
+                        fns.merge(params["policy"]),
+                        tokens,
+                        mask,
+                        temperature,
+                        params.get("value"),
+                        entropy=entropy,
+                        first=p,
+                    )
                 )
-                return tuple(None if x is None else x[:, p:] for x in out)
-            return fns.logprobs(params["policy"], tokens, mask, temperature)[:, p:], None, None
+            return fns.logprobs(params["policy"], tokens, mask, temperature, first=p), None, None
 
         def forward_vjp(params, tokens, mask):
             return jax.vjp(lambda prm: outputs(prm, tokens, mask), params)
 
         def ref_logp(ref_params, tokens, mask):
-            return sg(fns.logprobs(ref_params, tokens, mask, temperature)[:, p:])
+            return sg(fns.logprobs(ref_params, tokens, mask, temperature, first=p))
 
         # Unjitted, for callers composing their own programs (the fused step).
         self.outputs, self.ref_outputs = outputs, ref_logp
