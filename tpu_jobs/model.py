@@ -35,6 +35,7 @@ Token layout and masking follow docs/CONVENTIONS.md: positions are
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -46,6 +47,13 @@ from pipeline.config import ModelConfig
 from tpu_jobs.lm_head import head_logits, token_logprobs
 
 DTYPES: dict[str, jnp.dtype] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# model.remat -> the `jax.checkpoint` policy of a decoder layer without a cache (what to
+# save for the backward pass; None: nothing beyond the layer's inputs). "none" is absent:
+# no checkpoint at all.
+REMAT: dict[str, Callable[..., bool] | None] = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 INIT_STD = 0.02
 # Masked attention scores: finite so a query that sees no key (a left-pad query) yields a
 # uniform softmax instead of NaN; its output is never used.
@@ -394,6 +402,10 @@ class Transformer(nnx.Module):
             k_all, v_all = cache.k, cache.v
             if cache.per_layer:
                 k_all, v_all = list(k_all), list(v_all)
+        if cache is None and self.cfg.remat in REMAT:
+            for layer in self.layers:
+                x = _remat_layer(layer, x, cos, sin, visible, REMAT[self.cfg.remat])
+            return self.norm(x), None
         for i, layer in enumerate(self.layers):
             if cache is None:
                 cache_kv = None
@@ -410,6 +422,15 @@ class Transformer(nnx.Module):
             k_all, v_all = tuple(k_all), tuple(v_all)
         new_cache = None if cache is None else KVCache(k=k_all, v=v_all, mask=key_mask)
         return self.norm(x), new_cache
+
+
+def _remat_layer(layer: DecoderLayer, x, cos, sin, visible, policy) -> jax.Array:
+    """One decoder layer (no cache) under `jax.checkpoint` with `policy` (`REMAT`)."""
+
+    def run(layer: DecoderLayer, x, cos, sin, visible) -> jax.Array:
+        return layer(x, cos, sin, visible, None)[0]
+
+    return nnx.remat(run, policy=policy)(layer, x, cos, sin, visible)
 
 
 # --------------------------------------------------------------------------- helpers

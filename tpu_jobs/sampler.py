@@ -367,6 +367,31 @@ class Sampler:
         self._prepared = (dtype, given, weights)
         return weights
 
+    def program(
+        self, graphdef: nnx.GraphDef, n_new: int, dtype: str, use_top_k: bool, use_top_p: bool
+    ) -> jax.stages.Wrapped:
+        """The jitted generate program of one bucket's settings, taking (state, decode
+        weights, tokens, mask, keys, cache, max_new, temperature, top_k, top_p); the KV
+        cache is donated. `generate` compiles it per bucket; `tpu_jobs.memory` lowers it
+        for abstract inputs."""
+        fn = functools.partial(
+            _generate,
+            graphdef,
+            layout=self._layout,
+            n_new=n_new,
+            dtype=dtype,
+            use_top_k=use_top_k,
+            use_top_p=use_top_p,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+        )
+        return jax.jit(fn, donate_argnums=(5,))
+
+    def abstract_weights(self, graphdef: nnx.GraphDef, state: nnx.State, dtype: str):
+        """The shapes of the decode layout's weights for `state` (no computation)."""
+        fn = functools.partial(_prepare, graphdef, layout=self._layout, dtype=dtype)
+        return jax.eval_shape(fn, state)
+
     def generate(
         self,
         model: Transformer | None,
@@ -435,18 +460,8 @@ class Sampler:
         key = (graphdef, bb, pb, nb, dtype, use_top_k, use_top_p, str(typed_keys.dtype))
         compiled = self._compiled.get(key)
         if compiled is None:
-            fn = functools.partial(
-                _generate,
-                graphdef,
-                layout=self._layout,
-                n_new=nb,
-                dtype=dtype,
-                use_top_k=use_top_k,
-                use_top_p=use_top_p,
-                eos_id=self.eos_id,
-                pad_id=self.pad_id,
-            )
-            compiled = jax.jit(fn, donate_argnums=(5,)).lower(*args).compile()
+            compiled = self.program(graphdef, nb, dtype, use_top_k, use_top_p)
+            compiled = compiled.lower(*args).compile()
             self._compiled[key] = compiled
         out_tok, out_lp, lengths, done, cache = compiled(*args)
         self._caches[cache_key] = cache

@@ -345,6 +345,8 @@ class Learner:
     batch by default) must hold a multiple of data * fsdp rows. The programs are the same
     (GSPMD propagates the shardings). `tokenizer`: the run's (`tpu_jobs.hf_tokenizer.run_tokenizer`),
     needed only for judge rows of a model.tokenizer=hf run; default the char tokenizer.
+    `abstract`: `template` holds shapes (`jax.ShapeDtypeStruct`s) instead of initialised
+    weights, to compile the step for a model too large to allocate here.
     """
 
     def __init__(
@@ -355,6 +357,7 @@ class Learner:
         fused: bool | None = None,
         mesh: jax.sharding.Mesh | None = None,
         tokenizer: Tokenizer | None = None,
+        abstract: bool = False,
     ) -> None:
         tc = cfg.trainer
         self.cfg = cfg
@@ -421,8 +424,13 @@ class Learner:
             tc.grad_clip,
             tc.value_lr_mult if self.uses_values else 1.0,
         )
-        _, policy = new_model(cfg.model, cfg.seed)
-        self.template = self.init_state(policy)
+        if abstract:  # shapes only, nothing allocated: for compiling (benchmarks/memory.py)
+            if mesh is not None:
+                raise ValueError("Learner(abstract=True) takes no mesh")
+            self.template = jax.eval_shape(lambda: self.init_state(new_model(cfg.model, 0)[1]))
+        else:
+            _, policy = new_model(cfg.model, cfg.seed)
+            self.template = self.init_state(policy)
         if mesh is not None:
             # Updated state keeps the placement of `place` (XLA would otherwise pick output
             # shardings, e.g. split the norm weights over fsdp, and drift step by step).
