@@ -403,8 +403,7 @@ class Transformer(nnx.Module):
             if cache.per_layer:
                 k_all, v_all = list(k_all), list(v_all)
         if cache is None and self.cfg.remat in REMAT:
-            for layer in self.layers:
-                x = _remat_layer(layer, x, cos, sin, visible, REMAT[self.cfg.remat])
+            x = _remat_layers(self.layers, x, cos, sin, visible, REMAT[self.cfg.remat])
             return self.norm(x), None
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -424,13 +423,26 @@ class Transformer(nnx.Module):
         return self.norm(x), new_cache
 
 
-def _remat_layer(layer: DecoderLayer, x, cos, sin, visible, policy) -> jax.Array:
-    """One decoder layer (no cache) under `jax.checkpoint` with `policy` (`REMAT`)."""
+def _remat_layers(layers, x, cos, sin, visible, policy) -> jax.Array:
+    """The decoder layers (no cache) as a `lax.scan` over their stacked weights, each step
+    under `jax.checkpoint` with `policy` (`REMAT`).
 
-    def run(layer: DecoderLayer, x, cos, sin, visible) -> jax.Array:
-        return layer(x, cos, sin, visible, None)[0]
+    Why a scan and not a checkpoint per layer of the Python loop: a checkpointed layer's
+    recomputation depends only on its saved input, so XLA is free to schedule all the
+    layers' recomputations early, and on XLA:CPU it does: measured, 24 checkpointed layers
+    of the Qwen2.5-0.5B shape at 8 x 2,048 kept 168 of 197 GiB. The scan's backward loop
+    runs one layer at a time, so one layer's activations are live at once. The stack is a
+    copy of the layers' weights inside the program (their gradients come back through
+    it), paid once per step.
+    """
+    graphdef, first = nnx.split(layers[0])
+    stacked = jax.tree.map(lambda *w: jnp.stack(w), first, *(nnx.split(m)[1] for m in layers[1:]))
 
-    return nnx.remat(run, policy=policy)(layer, x, cos, sin, visible)
+    def body(h: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
+        return nnx.merge(graphdef, state)(h, cos, sin, visible, None)[0], None
+
+    x, _ = jax.lax.scan(jax.checkpoint(body, policy=policy), x, stacked)
+    return x
 
 
 # --------------------------------------------------------------------------- helpers
