@@ -63,6 +63,17 @@ class ModelConfig:
     tie_embeddings: bool = True
     max_seq_len: int = 256
     dtype: str = "float32"  # activation/compute dtype; params stay float32
+    # Tokens (rows x positions, flattened) whose LM-head logits exist at once when log-probs
+    # and entropies are taken (trainer, SFT, ORM; tpu_jobs.lm_head): the head runs chunk by
+    # chunk, recomputed in the backward pass, so no [batch, seq, vocab] array is stored.
+    # 0: all tokens at once (dense). Any value gives the same numbers up to float rounding.
+    logits_chunk: int = 512
+    # Rematerialisation of each decoder layer in training forwards (tpu_jobs.model.REMAT):
+    # "none" stores every layer's activations for the backward pass; "full" stores only
+    # each layer's input and recomputes the rest; "dots" also keeps the matmul outputs
+    # without a batch dimension (recomputes the cheap element-wise work). Same numbers;
+    # memory against time, benchmarks/results/memory.md.
+    remat: str = "none"
     # Text <-> ids for every role: "char" (pipeline.tokenizer.CharTokenizer: the synthetic
     # families' alphabet), "byte" (ByteTokenizer: any text, vocab_size >= 260; a run from
     # scratch on real data) or "hf" (the tokenizer.json imported with the run's base,
@@ -109,6 +120,13 @@ class ModelConfig:
         _check(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "an even number (RoPE)")
         _check(isinstance(self.qk_norm, bool), "model.qk_norm", self.qk_norm, "true or false")
         _one_of("model.dtype", self.dtype, ("float32", "bfloat16"))
+        _one_of("model.remat", self.remat, ("none", "full", "dots"))
+        _check(
+            self.logits_chunk >= 0,
+            "model.logits_chunk",
+            self.logits_chunk,
+            ">= 0 tokens (0: dense, all at once)",
+        )
 
 
 @dataclass(frozen=True)

@@ -113,9 +113,10 @@ def judge_sequences(
 @functools.partial(jax.jit, static_argnums=(0,))
 def _verdict_logprobs(graphdef, state, tokens, mask, last, yes_no):
     model = nnx.merge(graphdef, state)
-    logits, _ = model(tokens, positions_from_mask(mask), mask)
-    at = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
-    logp = jax.nn.log_softmax(at, axis=-1)
+    hidden, _ = model.hidden(tokens, positions_from_mask(mask), mask)
+    # The LM head at the verdict position only: [B, V], never [B, T, V].
+    at = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [B, H]
+    logp = jax.nn.log_softmax(model.logits(at), axis=-1)
     return logp[:, yes_no]  # [B, 2]
 
 

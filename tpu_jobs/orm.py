@@ -61,7 +61,7 @@ ORM_SEED_STREAM = 0x0E4
 
 def orm_model_config(run: Run) -> ModelConfig:
     """The ORM's model config: the run's own, or `eval.orm_preset` at the run's vocabulary,
-    context length and dtype."""
+    context length, dtype and logits chunk."""
     cfg = run.config
     if not cfg.eval.orm_preset:
         return cfg.model
@@ -70,6 +70,7 @@ def orm_model_config(run: Run) -> ModelConfig:
         vocab_size=cfg.model.vocab_size,
         max_seq_len=cfg.model.max_seq_len,
         dtype=cfg.model.dtype,
+        logits_chunk=cfg.model.logits_chunk,
     )
 
 

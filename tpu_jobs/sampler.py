@@ -137,6 +137,17 @@ def step_noise(keys: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
     return jax.vmap(row)(keys)
 
 
+def prefill(
+    model: Transformer, tokens: jax.Array, mask: jax.Array, cache: KVCache, dtype: str
+) -> tuple[jax.Array, KVCache]:
+    """Run left-padded prompts [B, P] through the model, writing the cache from slot 0:
+    (float32 logits [B, V] at the last prompt position, the cache). The LM head runs at
+    that position only (at a real vocabulary [B, P, V] logits would be most of the
+    sampler's memory)."""
+    hidden, cache = model.hidden(tokens, positions_from_mask(mask), mask, cache, 0, dtype=dtype)
+    return model.logits(hidden[:, -1]), cache
+
+
 def _cast_state(state: nnx.State, dtype: str) -> nnx.State:
     cdt = DTYPES[dtype]
     return jax.tree.map(lambda a: a.astype(cdt) if a.dtype != cdt else a, state)
@@ -183,7 +194,7 @@ def _generate(
 
     # The cache buffer is reused between calls: stale keys are hidden by a fresh mask.
     cache = KVCache(k=cache.k, v=cache.v, mask=jnp.zeros_like(cache.mask))
-    logits, cache = model(tokens, positions_from_mask(mask), mask, cache, 0, dtype=dtype)
+    logits, cache = prefill(model, tokens, mask, cache, dtype)
     vocab = logits.shape[-1]
     noise_all = None
     if b * n_new * vocab <= NOISE_BUDGET:
@@ -198,7 +209,7 @@ def _generate(
             return None
         return jax.lax.dynamic_index_in_dim(noise_all, step, axis=1, keepdims=False)
 
-    token, logp = sample(logits[:, -1], keys, jnp.int32(0), noise=noise_at(jnp.int32(0)))
+    token, logp = sample(logits, keys, jnp.int32(0), noise=noise_at(jnp.int32(0)))
     out_tok = jnp.full((b, n_new), pad_id, jnp.int32).at[:, 0].set(token)
     out_lp = jnp.zeros((b, n_new), jnp.float32).at[:, 0].set(logp)
     done = token == eos_id
@@ -356,6 +367,31 @@ class Sampler:
         self._prepared = (dtype, given, weights)
         return weights
 
+    def program(
+        self, graphdef: nnx.GraphDef, n_new: int, dtype: str, use_top_k: bool, use_top_p: bool
+    ) -> jax.stages.Wrapped:
+        """The jitted generate program of one bucket's settings, taking (state, decode
+        weights, tokens, mask, keys, cache, max_new, temperature, top_k, top_p); the KV
+        cache is donated. `generate` compiles it per bucket; `tpu_jobs.memory` lowers it
+        for abstract inputs."""
+        fn = functools.partial(
+            _generate,
+            graphdef,
+            layout=self._layout,
+            n_new=n_new,
+            dtype=dtype,
+            use_top_k=use_top_k,
+            use_top_p=use_top_p,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+        )
+        return jax.jit(fn, donate_argnums=(5,))
+
+    def abstract_weights(self, graphdef: nnx.GraphDef, state: nnx.State, dtype: str):
+        """The shapes of the decode layout's weights for `state` (no computation)."""
+        fn = functools.partial(_prepare, graphdef, layout=self._layout, dtype=dtype)
+        return jax.eval_shape(fn, state)
+
     def generate(
         self,
         model: Transformer | None,
@@ -424,18 +460,8 @@ class Sampler:
         key = (graphdef, bb, pb, nb, dtype, use_top_k, use_top_p, str(typed_keys.dtype))
         compiled = self._compiled.get(key)
         if compiled is None:
-            fn = functools.partial(
-                _generate,
-                graphdef,
-                layout=self._layout,
-                n_new=nb,
-                dtype=dtype,
-                use_top_k=use_top_k,
-                use_top_p=use_top_p,
-                eos_id=self.eos_id,
-                pad_id=self.pad_id,
-            )
-            compiled = jax.jit(fn, donate_argnums=(5,)).lower(*args).compile()
+            compiled = self.program(graphdef, nb, dtype, use_top_k, use_top_p)
+            compiled = compiled.lower(*args).compile()
             self._compiled[key] = compiled
         out_tok, out_lp, lengths, done, cache = compiled(*args)
         self._caches[cache_key] = cache

@@ -135,7 +135,7 @@ def train_sft(run: Run) -> dict[str, float]:
     opt_state = tx.init(params)
 
     def loss_fn(params, tokens, mask, comp_mask):
-        logp = fns.logprobs(params, tokens, mask)[:, prompt_len:]  # completion positions
+        logp = fns.logprobs(params, tokens, mask, first=prompt_len)  # completion positions
         return -(logp * comp_mask).sum() / jnp.maximum(comp_mask.sum(), 1.0)
 
     @jax.jit

@@ -28,8 +28,17 @@ class ModelFns:
     def merge(self, params: Any) -> Transformer:
         return nnx.merge(self.graphdef, params, *self.rest)
 
-    def logprobs(self, params: Any, tokens: jax.Array, mask: jax.Array, temperature: float = 1.0):
-        return sequence_logprobs(self.merge(params), tokens, mask, temperature)
+    def logprobs(
+        self,
+        params: Any,
+        tokens: jax.Array,
+        mask: jax.Array,
+        temperature: float = 1.0,
+        *,
+        first: int = 0,
+    ) -> jax.Array:
+        """`model.sequence_logprobs` of the model with `params` (columns first..)."""
+        return sequence_logprobs(self.merge(params), tokens, mask, temperature, first=first)
 
 
 def split_model(model: Transformer) -> tuple[ModelFns, Any]:

@@ -161,24 +161,28 @@ class ModelPrograms:
         self.fns, _ = split_model(abstract)
         fns, p = self.fns, prompt_len
 
+        # Only the completion's log-probs are taken (`first=p`): the LM head, in chunks of
+        # model_cfg.logits_chunk tokens, never runs on the prompt positions.
         def outputs(params, tokens, mask):
             if values or entropy:
-                out = policy_forward(
-                    fns.merge(params["policy"]),
-                    tokens,
-                    mask,
-                    temperature,
-                    params.get("value"),
-                    entropy=entropy,
+                return tuple(
+                    policy_forward(
+                        fns.merge(params["policy"]),
+                        tokens,
+                        mask,
+                        temperature,
+                        params.get("value"),
+                        entropy=entropy,
+                        first=p,
+                    )
                 )
-                return tuple(None if x is None else x[:, p:] for x in out)
-            return fns.logprobs(params["policy"], tokens, mask, temperature)[:, p:], None, None
+            return fns.logprobs(params["policy"], tokens, mask, temperature, first=p), None, None
 
         def forward_vjp(params, tokens, mask):
             return jax.vjp(lambda prm: outputs(prm, tokens, mask), params)
 
         def ref_logp(ref_params, tokens, mask):
-            return sg(fns.logprobs(ref_params, tokens, mask, temperature)[:, p:])
+            return sg(fns.logprobs(ref_params, tokens, mask, temperature, first=p))
 
         # Unjitted, for callers composing their own programs (the fused step).
         self.outputs, self.ref_outputs = outputs, ref_logp
@@ -341,6 +345,8 @@ class Learner:
     batch by default) must hold a multiple of data * fsdp rows. The programs are the same
     (GSPMD propagates the shardings). `tokenizer`: the run's (`tpu_jobs.hf_tokenizer.run_tokenizer`),
     needed only for judge rows of a model.tokenizer=hf run; default the char tokenizer.
+    `abstract`: `template` holds shapes (`jax.ShapeDtypeStruct`s) instead of initialised
+    weights, to compile the step for a model too large to allocate here.
     """
 
     def __init__(
@@ -351,6 +357,7 @@ class Learner:
         fused: bool | None = None,
         mesh: jax.sharding.Mesh | None = None,
         tokenizer: Tokenizer | None = None,
+        abstract: bool = False,
     ) -> None:
         tc = cfg.trainer
         self.cfg = cfg
@@ -417,8 +424,13 @@ class Learner:
             tc.grad_clip,
             tc.value_lr_mult if self.uses_values else 1.0,
         )
-        _, policy = new_model(cfg.model, cfg.seed)
-        self.template = self.init_state(policy)
+        if abstract:  # shapes only, nothing allocated: for compiling (benchmarks/memory.py)
+            if mesh is not None:
+                raise ValueError("Learner(abstract=True) takes no mesh")
+            self.template = jax.eval_shape(lambda: self.init_state(new_model(cfg.model, 0)[1]))
+        else:
+            _, policy = new_model(cfg.model, cfg.seed)
+            self.template = self.init_state(policy)
         if mesh is not None:
             # Updated state keeps the placement of `place` (XLA would otherwise pick output
             # shardings, e.g. split the norm weights over fsdp, and drift step by step).

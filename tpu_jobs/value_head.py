@@ -8,10 +8,9 @@ policy, so the value loss [c_1 L^VF of PPO] trains the trunk too. Its parameters
 pytree `{"kernel": [hidden, 1], "bias": [1]}`, initialised to zero (V = 0 at the start, no
 randomness), and live in the trainer's train state and checkpoint next to the policy.
 
-`hidden_states` re-runs the no-cache path of `tpu_jobs.model.Transformer.__call__` from the
-model's own submodules (embedding, layers, final norm) so `model.py` needs no change;
+`hidden_states` is the model's own `Transformer.hidden` (the forward without the LM head);
 `tests/tpu_jobs/test_trainer.py` checks that `lm_logits(hidden_states(...))` equals the
-model's logits exactly, so the two cannot drift apart unnoticed.
+model's logits exactly.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tpu_jobs.model import DTYPES, Transformer, positions_from_mask, rope_tables
+from tpu_jobs.model import Transformer, positions_from_mask, token_logprobs_of
 
 ValueParams = dict[str, jax.Array]
 
@@ -41,27 +40,14 @@ def hidden_states(
 
     Same masking and positions as the model (CONVENTIONS.md): query i sees key j iff j <= i
     and mask[j] == 1."""
-    cfg = model.cfg
-    cdt = DTYPES[dtype or cfg.dtype]
-    tokens = jnp.asarray(tokens)
     mask = jnp.asarray(mask).astype(jnp.int32)
-    t = tokens.shape[1]
-    x = model.embed_tokens(tokens).astype(cdt)
-    cos, sin = rope_tables(positions_from_mask(mask), cfg.head_dim, cfg.rope_theta)
-    slots = jnp.arange(t, dtype=jnp.int32)
-    visible = (slots[None, None, :] <= slots[None, :, None]) & (mask[:, None, :] > 0)
-    for layer in model.layers:
-        x, _ = layer(x, cos, sin, visible, None)
-    return model.norm(x)
+    hidden, _ = model.hidden(jnp.asarray(tokens), positions_from_mask(mask), mask, dtype=dtype)
+    return hidden
 
 
 def lm_logits(model: Transformer, hidden: jax.Array) -> jax.Array:
     """The model's LM head (tied embedding or lm_head) on `hidden`; float32 [B, T, V]."""
-    if model.lm_head is None:
-        logits = hidden @ model.embed_tokens.embedding[...].astype(hidden.dtype).T
-    else:
-        logits = model.lm_head(hidden)
-    return logits.astype(jnp.float32)
+    return model.logits(hidden)
 
 
 def apply_value_head(params: ValueParams, hidden: jax.Array) -> jax.Array:
@@ -98,24 +84,22 @@ def policy_forward(
     value_params: ValueParams | None = None,
     *,
     entropy: bool = False,
+    first: int = 0,
 ) -> PolicyOutputs:
     """One trunk pass giving log-probs (as `sequence_logprobs`), optionally the entropy of
-    pi(. | prefix) and the values. Jit-able and differentiable."""
+    pi(. | prefix) and the values, each [B, T - first] (columns first..). The LM head runs
+    in chunks of `cfg.logits_chunk` tokens (`tpu_jobs.lm_head`). Jit-able and
+    differentiable."""
     tokens = jnp.asarray(tokens)
     mask = jnp.asarray(mask).astype(jnp.int32)
     hidden = hidden_states(model, tokens, mask)
-    logits = lm_logits(model, hidden)
-    temp = jnp.asarray(temperature, jnp.float32)
-    temp = jnp.where(temp > 0, temp, 1.0)
-    logp_all = jax.nn.log_softmax(logits[:, :-1] / temp, axis=-1)
-    picked = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
-    ent = None
-    if entropy:
-        ent = _shift(-jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1), mask)
+    logp, ent = token_logprobs_of(
+        model, tokens, mask, temperature, first=first, entropy=entropy, hidden=hidden
+    )
     values = None
     if value_params is not None:
-        values = _shift(apply_value_head(value_params, hidden[:, :-1]), mask)
-    return PolicyOutputs(_shift(picked, mask), ent, values)
+        values = _shift(apply_value_head(value_params, hidden[:, :-1]), mask)[:, first:]
+    return PolicyOutputs(logp, ent, values)
 
 
 def count_params(tree: Any) -> int:

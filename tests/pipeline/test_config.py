@@ -127,6 +127,8 @@ BAD_VALUES = {
     "model.rope_theta": -1,
     "model.rms_norm_eps": 0,
     "model.max_seq_len": 0,
+    "model.logits_chunk": -1,
+    "model.remat": "some",
     "task.seed": -3,
     "task.num_train": 0,
     "task.num_eval": 0,

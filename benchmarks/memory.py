@@ -1,0 +1,127 @@
+"""Memory of the project's real programs at real model shapes, from XLA's own analysis.
+
+Compiles (never runs) the trainer's whole step (`tpu_jobs.memory.train_step_memory`: the
+fused GRPO step, forward + loss + backward + AdamW) and the sampler's generate program
+(`sampler_memory`) for Qwen2.5 shapes, with abstract inputs, on one CPU device, and
+tabulates `compiled.memory_analysis()`: temporaries and arguments, in GiB. Each setting
+is a row, so each item's effect on the same shape is visible:
+
+* `dense head` (model.logits_chunk=0): the LM head over every token at once, the
+  [B, T, V] logits stored for the backward pass: the project before chunking.
+* `chunked head` (logits_chunk=512): log-probs from the head in chunks, recomputed.
+* `+ remat full` / `+ remat dots` (model.remat): a scan over the layers, each under
+  `jax.checkpoint` (tpu_jobs/model.py says why a scan).
+* `+ bf16` (model.dtype=bfloat16): bfloat16 compute, float32 master weights.
+
+Rows are 8 sequences of `prompt + completion` tokens (GRPO, one group of 8).
+
+    .venv/bin/python benchmarks/memory.py [--models 0.5b] [--tokens 2048,8192]
+
+Compiles take minutes per row on 2 cores (24 layers at 8k tokens); `--models 7b` at 16k
+needs a machine with more memory for the compiler. Writes benchmarks/results/memory.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.config import load_config  # noqa: E402
+from tpu_jobs.memory import sampler_memory, train_step_memory  # noqa: E402
+
+# Hugging Face config.json values of Qwen/Qwen2.5-{0.5B,1.5B,7B}.
+SHAPES: dict[str, dict[str, object]] = {
+    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                 intermediate_size=4864, tie_embeddings=True),
+    "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                 intermediate_size=8960, tie_embeddings=True),
+    "7b": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+               intermediate_size=18944, tie_embeddings=False),
+}  # fmt: skip
+VOCAB = 151_936
+PROMPT = 256
+SETTINGS: dict[str, list[str]] = {
+    "dense head": ["model.logits_chunk=0"],
+    "chunked head": [],
+    "+ remat full": ["model.remat=full"],
+    "+ remat dots": ["model.remat=dots"],
+    "+ remat full + bf16": ["model.remat=full", "model.dtype=bfloat16"],
+}
+GIB = 2**30
+
+
+def config(shape: str, tokens: int, extra: list[str]):
+    model = [f"model.{k}={str(v).lower()}" for k, v in SHAPES[shape].items()]
+    return load_config(
+        None,
+        [
+            *model,
+            f"model.vocab_size={VOCAB}",
+            "model.qkv_bias=true",
+            "model.tokenizer=byte",
+            f"model.max_seq_len={tokens}",
+            f"sampler.max_new_tokens={tokens - PROMPT}",
+            "rollout.prompts_per_batch=1",
+            "rollout.group_size=8",
+            *extra,
+        ],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="0.5b", help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--tokens", default="2048,8192", help="tokens per sequence")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help="rows, by name")
+    parser.add_argument("--sampler", default="64x256+1024,64x256+4096")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/memory.md"))
+    args = parser.parse_args(argv)
+    rows = []
+    for shape in args.models.split(","):
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            for name in args.settings.split(","):
+                t0 = time.perf_counter()
+                m = train_step_memory(config(shape, tokens, SETTINGS[name]), PROMPT)
+                rows.append(("train step", shape, f"8 x {tokens}", name, m,
+                             time.perf_counter() - t0))  # fmt: skip
+                print(rows[-1], flush=True)
+        for spec in args.sampler.split(","):
+            batch, rest = spec.split("x")
+            prompt, new = (int(x) for x in rest.split("+"))
+            for dtype in ("float32", "bfloat16"):
+                t0 = time.perf_counter()
+                cfg = config(shape, prompt + new, [])
+                m = sampler_memory(cfg, int(batch), prompt, new, dtype=dtype)
+                rows.append(("sampler", shape, f"{batch} x ({prompt} + {new})", dtype, m,
+                             time.perf_counter() - t0))  # fmt: skip
+                print(rows[-1], flush=True)
+    lines = [
+        "# Memory of the train step and the sampler (XLA's memory_analysis)",
+        "",
+        f"`python benchmarks/memory.py --models {args.models} --tokens {args.tokens}` on "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, one CPU device; compiled, never run. "
+        "GiB per device: temporaries (the program's own buffers, after XLA's buffer "
+        "assignment) and arguments (weights, optimizer state, batch).",
+        "",
+        "| program | model | tokens | setting | temporaries | arguments | total | compile s |",
+        "|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for prog, shape, toks, name, m, secs in rows:
+        temp, arg = m["temp_bytes"] / GIB, m["argument_bytes"] / GIB
+        lines.append(
+            f"| {prog} | {shape} | {toks} | {name} | {temp:.2f} | {arg:.2f} | "
+            f"{temp + arg:.2f} | {secs:.0f} |"
+        )
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

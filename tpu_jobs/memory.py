@@ -1,0 +1,82 @@
+"""What XLA says a program needs, compiled for abstract inputs and never run.
+
+`train_step_memory` compiles the trainer's whole step (one fused program: forward, loss,
+backward, optimizer update) for a run config; `sampler_memory` compiles the sampler's
+generate program. Both take `jax.ShapeDtypeStruct`s only, so a 7B shape compiles on a
+laptop. The figures are `compiled.memory_analysis()`'s: temporaries (the program's own
+buffers), arguments and outputs, per device. benchmarks/memory.py tabulates them, and
+tests/tpu_jobs/test_memory_guard.py holds the line on the largest temporaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pipeline.config import RunConfig
+
+
+def _figures(compiled: Any) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    return {
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "alias_bytes": int(m.alias_size_in_bytes),
+    }
+
+
+def train_step_memory(cfg: RunConfig, prompt_len: int) -> dict[str, int]:
+    """memory_analysis() figures of the trainer's fused step for `cfg` (one device):
+    rows = rollout.prompts_per_batch * group_size, prompt_len + sampler.max_new_tokens
+    tokens each."""
+    from tpu_jobs.trainer import Learner, StepInputs
+
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, fused_step=True))
+    learner = Learner(cfg, prompt_len, abstract=True)
+    if not learner.fused:
+        raise ValueError(
+            "train_step_memory compiles the single-update step; allowed: trainer.mini_batches"
+            "=1, trainer.epochs=1, trainer.micro_batch=0"
+        )
+    params, opt_state = learner.template
+    r, t, c = learner.rows, prompt_len + learner.completion_len, learner.completion_len
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    inp = StepInputs(
+        sds((r, t), jnp.int32),
+        sds((r, t), jnp.int32),
+        sds((r, c), jnp.float32),
+        sds((r, c), jnp.float32),
+        sds((r,), jnp.float32),
+    )
+    ref = params if learner.needs_ref else None
+    return _figures(learner._fused_step.lower(params, opt_state, ref, inp).compile())
+
+
+def sampler_memory(
+    cfg: RunConfig, batch: int, prompt_len: int, new_tokens: int, *, dtype: str = "float32"
+) -> dict[str, int]:
+    """memory_analysis() figures of the sampler's generate program (prefill + decode loop)
+    for `batch` prompts of `prompt_len` tokens and `new_tokens` new ones (one device)."""
+    from flax import nnx
+
+    from tpu_jobs.model import init_cache, init_model
+    from tpu_jobs.sampler import Sampler
+
+    sampler = Sampler(cfg.model)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg.model, 0)))
+    weights = sampler.abstract_weights(graphdef, state, dtype)
+    total = prompt_len + new_tokens
+    cache = jax.eval_shape(lambda: init_cache(cfg.model, batch, total, dtype, per_layer=True))
+    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))
+    tokens = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+    scalars = (jnp.int32(new_tokens), jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0))
+    program = sampler.program(graphdef, new_tokens, dtype, False, False)
+    compiled = program.lower(state, weights, tokens, tokens, keys, cache, *scalars).compile()
+    return _figures(compiled)
