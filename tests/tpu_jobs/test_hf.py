@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pipeline.config import ModelConfig  # noqa: E402
+from pipeline.tokenizer import get_tokenizer  # noqa: E402
 from tpu_jobs import hf, hf_tokenizer  # noqa: E402
 from tpu_jobs.decode import DECODE_LAYOUTS  # noqa: E402
 from tpu_jobs.model import flat_params, positions_from_mask  # noqa: E402
@@ -464,7 +465,7 @@ def test_hf_tokenizer_needs_an_imported_tokenizer_json(checkpoints, tmp_path):
     hf.import_to_run(path, url, overrides=["task.num_train=8", "task.num_eval=4"], log=print)
     run = Run.open(url)
     assert run.config.model.tokenizer == "char"  # nothing imported: the char tokenizer
-    assert hf_tokenizer.run_tokenizer(run).vocab_size == 56
+    assert hf_tokenizer.run_tokenizer(run).vocab_size == get_tokenizer("char").vocab_size
     forced = Run(url=run.url, store=run.store, config=_with_tokenizer(run, "hf"))
     with pytest.raises(hf.HFError, match=r"model.tokenizer=hf but .*rlax import-hf"):
         hf_tokenizer.run_tokenizer(forced)
