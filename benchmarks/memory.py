@@ -12,6 +12,10 @@ is a row, so each item's effect on the same shape is visible:
 * `+ remat full` / `+ remat dots` (model.remat): a scan over the layers, each under
   `jax.checkpoint` (tpu_jobs/model.py says why a scan).
 * `+ bf16` (model.dtype=bfloat16): bfloat16 compute, float32 master weights.
+* `+ chunked attention` (model.attention=chunked): attention over blocks of 512 queries,
+  each recomputed in the backward pass, so one block's probabilities exist at once. On
+  GPU, model.attention=cudnn (flash attention) does the same job faster; it cannot be
+  compiled on a CPU.
 
 Rows are 8 sequences of `prompt + completion` tokens (GRPO, one group of 8).
 
@@ -53,6 +57,12 @@ SETTINGS: dict[str, list[str]] = {
     "+ remat full": ["model.remat=full"],
     "+ remat dots": ["model.remat=dots"],
     "+ remat full + bf16": ["model.remat=full", "model.dtype=bfloat16"],
+    "+ remat full + chunked attention": ["model.remat=full", "model.attention=chunked"],
+    "+ remat full + chunked attention + bf16": [
+        "model.remat=full",
+        "model.attention=chunked",
+        "model.dtype=bfloat16",
+    ],
 }
 GIB = 2**30
 
@@ -80,8 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="0.5b", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--tokens", default="2048,8192", help="tokens per sequence")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="rows, by name")
-    parser.add_argument("--sampler", default="64x256+1024,64x256+4096")
+    parser.add_argument("--sampler", default="64x256+1024,64x256+4096", help="'' for none")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/memory.md"))
+    parser.add_argument(
+        "--append", action="store_true", help="add the rows to --out's table (same machine)"
+    )
     args = parser.parse_args(argv)
     rows = []
     for shape in args.models.split(","):
@@ -92,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(("train step", shape, f"8 x {tokens}", name, m,
                              time.perf_counter() - t0))  # fmt: skip
                 print(rows[-1], flush=True)
-        for spec in args.sampler.split(","):
+        for spec in filter(None, args.sampler.split(",")):
             batch, rest = spec.split("x")
             prompt, new = (int(x) for x in rest.split("+"))
             for dtype in ("float32", "bfloat16"):
@@ -119,7 +132,10 @@ def main(argv: list[str] | None = None) -> None:
             f"| {prog} | {shape} | {toks} | {name} | {temp:.2f} | {arg:.2f} | "
             f"{temp + arg:.2f} | {secs:.0f} |"
         )
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    out = Path(args.out)
+    if args.append and out.exists():  # keep the existing table, add this run's rows
+        lines = out.read_text().rstrip("\n").split("\n") + lines[6:]
+    out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -74,6 +74,15 @@ class ModelConfig:
     # without a batch dimension (recomputes the cheap element-wise work). Same numbers;
     # memory against time, benchmarks/results/memory.md.
     remat: str = "none"
+    # Attention of training forwards (tpu_jobs.model.FUSED_ATTENTION): "dense" (the
+    # project's einsums; probabilities [B, heads, T, T] in float32), "chunked" (the same
+    # einsums over blocks of attention_chunk queries, each recomputed in the backward
+    # pass: one block's probabilities at a time; any platform), or
+    # jax.nn.dot_product_attention with implementation "xla", "cudnn" (GPU flash attention,
+    # bf16/fp16 compute: docs/scaling.md) or "auto" (JAX picks). Same numbers within float
+    # tolerance.
+    attention: str = "dense"
+    attention_chunk: int = 512
     # Text <-> ids for every role: "char" (pipeline.tokenizer.CharTokenizer: the synthetic
     # families' alphabet), "byte" (ByteTokenizer: any text, vocab_size >= 260; a run from
     # scratch on real data) or "hf" (the tokenizer.json imported with the run's base,
@@ -121,6 +130,10 @@ class ModelConfig:
         _check(isinstance(self.qk_norm, bool), "model.qk_norm", self.qk_norm, "true or false")
         _one_of("model.dtype", self.dtype, ("float32", "bfloat16"))
         _one_of("model.remat", self.remat, ("none", "full", "dots"))
+        _one_of("model.attention", self.attention, ("dense", "chunked", "xla", "cudnn", "auto"))
+        _check(
+            self.attention_chunk > 0, "model.attention_chunk", self.attention_chunk, "> 0 queries"
+        )
         _check(
             self.logits_chunk >= 0,
             "model.logits_chunk",

@@ -47,6 +47,10 @@ from pipeline.config import ModelConfig
 from tpu_jobs.lm_head import head_logits, token_logprobs
 
 DTYPES: dict[str, jnp.dtype] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# model.attention -> `jax.nn.dot_product_attention`'s implementation for attention without
+# a cache (training forwards, scoring). "dense" is absent: the project's own einsum path,
+# the reference (and what the sampler's prefill and decode always use).
+FUSED_ATTENTION: dict[str, str | None] = {"xla": "xla", "cudnn": "cudnn", "auto": None}
 # model.remat -> the `jax.checkpoint` policy of a decoder layer without a cache (what to
 # save for the backward pass; None: nothing beyond the layer's inputs). "none" is absent:
 # no checkpoint at all.
@@ -198,6 +202,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = nh, nkv, hd
+        self.attention, self.attention_chunk = cfg.attention, cfg.attention_chunk
 
     def __call__(
         self,
@@ -247,13 +252,20 @@ class Attention(nnx.Module):
             v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
             new_cache = (k_all, v_all)
             k, v = k_all[layer].astype(q.dtype), v_all[layer].astype(q.dtype)
+        if cache_kv is None and self.attention in FUSED_ATTENTION:
+            # The backend's attention (jax.nn.dot_product_attention): with "cudnn", flash
+            # attention that never stores the [B, heads, T, S] probabilities.
+            out = jax.nn.dot_product_attention(
+                q, k, v, mask=visible[:, None], implementation=FUSED_ATTENTION[self.attention]
+            )
+            return out.reshape(b, t, self.num_heads * hd), None
         q = q.reshape(b, t, nkv, g, hd)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(hd)
-        scores = jnp.where(visible[:, None, None], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, self.num_heads * hd)
-        return out, new_cache
+        chunk = self.attention_chunk
+        if cache_kv is None and self.attention == "chunked" and 0 < chunk < t:
+            out = _query_chunked_attention(q, k, v, visible, chunk)
+        else:
+            out = _dense_attention(q, k, v, visible)
+        return out.reshape(b, t, self.num_heads * hd), new_cache
 
     def _attend_per_layer(self, q, k, v, visible, k_cache, v_cache, slot):
         """Attention over a per-layer cache: k_cache [B, kv, hd, S], v_cache [B, kv, S, hd]."""
@@ -294,6 +306,38 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1)[..., None]  # [B, kv, g, S, 1]
         out = jnp.sum(probs * v_cache[:, :, None].astype(jnp.float32), axis=3)  # [B, kv, g, hd]
         return out.astype(q.dtype).reshape(b, 1, self.num_heads * hd)
+
+
+def _dense_attention(q, k, v, visible) -> jax.Array:
+    """q [B, T, kv, g, hd] over k, v [B, S, kv, hd], visible [B, T, S] bool: the output
+    [B, T, kv, g, hd], through float32 probabilities [B, kv, g, T, S]."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
+    scores = jnp.where(visible[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v)
+
+
+def _query_chunked_attention(q, k, v, visible, chunk: int) -> jax.Array:
+    """`_dense_attention` over blocks of `chunk` queries at a time (each block sees every
+    key, so its softmax is exact), each block under `jax.checkpoint`: the probabilities
+    of one block, [B, kv, g, chunk, S], exist at once, in the forward and in the backward
+    pass, instead of all T rows. Queries are padded to a multiple of `chunk` (pad rows see
+    no key and are dropped)."""
+    b, t = q.shape[:2]
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    qb = jnp.pad(q, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+    vis = jnp.pad(visible, ((0, 0), (0, pad), (0, 0)))
+    qb = qb.reshape(b, n, chunk, *q.shape[2:]).swapaxes(0, 1)  # [n, B, chunk, kv, g, hd]
+    vis = vis.reshape(b, n, chunk, -1).swapaxes(0, 1)
+
+    def block(args):
+        qc, vc = args
+        return _dense_attention(qc, k, v, vc)
+
+    out = jax.lax.map(jax.checkpoint(block), (qb, vis))  # [n, B, chunk, kv, g, hd]
+    return out.swapaxes(0, 1).reshape(b, n * chunk, *q.shape[2:])[:, :t]
 
 
 class MLP(nnx.Module):

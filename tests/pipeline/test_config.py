@@ -129,6 +129,8 @@ BAD_VALUES = {
     "model.max_seq_len": 0,
     "model.logits_chunk": -1,
     "model.remat": "some",
+    "model.attention": "flash",
+    "model.attention_chunk": 0,
     "task.seed": -3,
     "task.num_train": 0,
     "task.num_eval": 0,

@@ -218,3 +218,44 @@ def test_remat_equals_no_remat_in_values_and_gradients(remat):
     # Recomputation reorders float sums: compare at the gradients' own scale.
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()) + 1e-7)
+
+
+@pytest.mark.parametrize("attention", ["chunked", "xla", "auto"])
+def test_fused_attention_equals_dense_in_values_and_gradients(attention):
+    """model.attention "chunked" (blocks of 5 queries of 12: one not full) and through
+    jax.nn.dot_product_attention (on CPU: its XLA path) give the dense path's log-probs
+    and gradients, left padding (rows with no visible key) included."""
+    cfg = dataclasses.replace(TINY, num_heads=4, num_kv_heads=2)  # grouped queries
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (3, 12)), jnp.int32)
+    mask = np.ones((3, 12), np.int32)
+    mask[1, :4] = mask[2, :7] = 0  # left padding
+    mask = jnp.asarray(mask)
+
+    def run(c):
+        graphdef, params, rest = nnx.split(random_model(c, seed=4), nnx.Param, ...)
+
+        def f(p):
+            out = sequence_logprobs(nnx.merge(graphdef, p, rest), tokens, mask, 1.0)
+            return out.sum(), out
+
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+
+    (_, ref), ref_g = run(cfg)
+    fused = dataclasses.replace(cfg, attention=attention, attention_chunk=5)
+    if attention == "chunked":  # the blocks are a loop (the LM head is dense at 36 tokens)
+        model = random_model(fused, seed=4)
+        assert "scan[" in str(jax.make_jaxpr(lambda: sequence_logprobs(model, tokens, mask))())
+    (_, out), g = run(fused)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g), strict=True):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()) + 1e-7)
+
+
+def test_cudnn_attention_is_really_dispatched_and_needs_a_gpu():
+    """The setting reaches jax.nn.dot_product_attention: "cudnn" on a CPU fails there."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is here: cuDNN attention may run")
+    model = random_model(dataclasses.replace(TINY, attention="cudnn"), seed=0)
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        sequence_logprobs(model, jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32))
