@@ -38,18 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.config import load_config  # noqa: E402
-from tpu_jobs.memory import sampler_memory, train_step_memory  # noqa: E402
+from tpu_jobs.memory import QWEN25, qwen25_overrides, sampler_memory, train_step_memory  # noqa: E402
 
-# Hugging Face config.json values of Qwen/Qwen2.5-{0.5B,1.5B,7B}.
-SHAPES: dict[str, dict[str, object]] = {
-    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
-                 intermediate_size=4864, tie_embeddings=True),
-    "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
-                 intermediate_size=8960, tie_embeddings=True),
-    "7b": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
-               intermediate_size=18944, tie_embeddings=False),
-}  # fmt: skip
-VOCAB = 151_936
 PROMPT = 256
 SETTINGS: dict[str, list[str]] = {
     "dense head": ["model.logits_chunk=0"],
@@ -68,14 +58,10 @@ GIB = 2**30
 
 
 def config(shape: str, tokens: int, extra: list[str]):
-    model = [f"model.{k}={str(v).lower()}" for k, v in SHAPES[shape].items()]
     return load_config(
         None,
         [
-            *model,
-            f"model.vocab_size={VOCAB}",
-            "model.qkv_bias=true",
-            "model.tokenizer=byte",
+            *qwen25_overrides(shape),
             f"model.max_seq_len={tokens}",
             f"sampler.max_new_tokens={tokens - PROMPT}",
             "rollout.prompts_per_batch=1",
@@ -87,7 +73,7 @@ def config(shape: str, tokens: int, extra: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="0.5b", help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--models", default="0.5b", help=f"of {', '.join(QWEN25)}")
     parser.add_argument("--tokens", default="2048,8192", help="tokens per sequence")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="rows, by name")
     parser.add_argument("--sampler", default="64x256+1024,64x256+4096", help="'' for none")

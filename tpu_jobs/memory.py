@@ -18,6 +18,28 @@ import jax.numpy as jnp
 
 from pipeline.config import RunConfig
 
+# Hugging Face config.json values of Qwen/Qwen2.5-{0.5B,1.5B,7B}, as config overrides
+# (`qwen25_overrides`): the shapes benchmarks/memory.py and benchmarks/accelerator.py use.
+QWEN25: dict[str, dict[str, object]] = {
+    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                 intermediate_size=4864, tie_embeddings=True),
+    "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
+                 intermediate_size=8960, tie_embeddings=True),
+    "7b": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+               intermediate_size=18944, tie_embeddings=False),
+}  # fmt: skip
+QWEN25_VOCAB = 151_936
+
+
+def qwen25_overrides(shape: str) -> list[str]:
+    """Config overrides for a Qwen2.5 shape (`QWEN25`) with the byte tokenizer (the
+    benchmarks feed random ids, so any tokenizer that fits the vocabulary will do)."""
+    if shape not in QWEN25:
+        raise ValueError(f"shape {shape!r} is unknown; allowed: {', '.join(QWEN25)}")
+    model = [f"model.{k}={str(v).lower()}" for k, v in QWEN25[shape].items()]
+    return [*model, f"model.vocab_size={QWEN25_VOCAB}", "model.qkv_bias=true",
+            "model.tokenizer=byte"]  # fmt: skip
+
 
 def _figures(compiled: Any) -> dict[str, int]:
     m = compiled.memory_analysis()
