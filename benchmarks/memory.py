@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for shape in args.models.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
-            for name in args.settings.split(","):
+            for name in filter(None, args.settings.split(",")):
                 t0 = time.perf_counter()
                 m = train_step_memory(config(shape, tokens, SETTINGS[name]), PROMPT)
                 rows.append(("train step", shape, f"8 x {tokens}", name, m,

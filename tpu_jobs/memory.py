@@ -93,7 +93,7 @@ def sampler_memory(
 
     sampler = Sampler(cfg.model)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg.model, 0)))
-    weights = sampler.abstract_weights(graphdef, state, dtype)
+    state, weights = sampler.abstract_weights(graphdef, state, dtype)
     total = prompt_len + new_tokens
     cache = jax.eval_shape(lambda: init_cache(cfg.model, batch, total, dtype, per_layer=True))
     keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), batch))

@@ -154,8 +154,12 @@ def _cast_state(state: nnx.State, dtype: str) -> nnx.State:
 
 
 def _prepare(graphdef: nnx.GraphDef, state: nnx.State, *, layout: DecodeLayout, dtype: str):
-    """The decode layout's weights (tpu_jobs.decode), in the compute dtype."""
-    return layout.prepare(nnx.merge(graphdef, _cast_state(state, dtype)))
+    """(the state in the compute dtype, or None when it is float32 already; the decode
+    layout's weights (tpu_jobs.decode) in that dtype). The cast state is made once per
+    weight version and passed to the generate programs, so a bf16 program holds bf16
+    weights only, not float32 ones plus a bf16 copy made inside every call."""
+    cast = _cast_state(state, dtype)
+    return (None if dtype == "float32" else cast), layout.prepare(nnx.merge(graphdef, cast))
 
 
 def _generate(
@@ -346,10 +350,11 @@ class Sampler:
         jax.block_until_ready(self._prepared_weights(*self._split(model), dtype))
 
     def _prepared_weights(self, graphdef, state, given: list, dtype: str):
-        """The decode layout's weights for `state`, recomputed only when the weights change
-        (new arrays: a new version loaded, or another model) or the dtype does. For
-        feature_major that is a transposed copy of every kernel (~0.3 s for 75M
-        parameters on 2 cores), too slow to repeat for every batch of one version."""
+        """(`_prepare`'s cast state, the decode layout's weights) for `state`, recomputed
+        only when the weights change (new arrays: a new version loaded, or another model)
+        or the dtype does. For feature_major that is a transposed copy of every kernel
+        (~0.3 s for 75M parameters on 2 cores), too slow to repeat for every batch of one
+        version."""
         hit = self._prepared
         if (
             hit is not None
@@ -388,9 +393,11 @@ class Sampler:
         return jax.jit(fn, donate_argnums=(5,))
 
     def abstract_weights(self, graphdef: nnx.GraphDef, state: nnx.State, dtype: str):
-        """The shapes of the decode layout's weights for `state` (no computation)."""
+        """The shapes of (the state, the decode layout's weights) a generate program of
+        `dtype` takes for `state` (no computation)."""
         fn = functools.partial(_prepare, graphdef, layout=self._layout, dtype=dtype)
-        return jax.eval_shape(fn, state)
+        cast, weights = jax.eval_shape(fn, state)
+        return (state if cast is None else cast), weights
 
     def generate(
         self,
@@ -445,9 +452,10 @@ class Sampler:
         if self.mesh is not None:
             tokens, mask, typed_keys = meshlib.shard_batch((tokens, mask, typed_keys), self.mesh)
             cache = jax.device_put(cache, meshlib.cache_sharding(self.mesh, cache))
+        cast, weights = self._prepared_weights(graphdef, state, given, dtype)
         args = (
-            state,
-            self._prepared_weights(graphdef, state, given, dtype),
+            state if cast is None else cast,
+            weights,
             tokens,
             mask,
             typed_keys,

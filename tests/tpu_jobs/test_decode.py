@@ -93,7 +93,8 @@ def test_weights_prepared_once_per_weight_version():
     prompts = [[1, 5, 6], [1, 9]]
     a = sampler.generate(model, prompts, keys, max_new_tokens=6)
     prepared = sampler._prepared[2]
-    head = np.asarray(prepared["head"])
+    assert prepared[0] is None  # float32: the state as given, no cast copy
+    head = np.asarray(prepared[1]["head"])
     np.testing.assert_array_equal(head, np.asarray(model.lm_head.kernel[...]).T)
     sampler.generate(model, prompts, keys, max_new_tokens=6)
     assert sampler._prepared[2] is prepared  # same weights: reused
@@ -106,4 +107,6 @@ def test_weights_prepared_once_per_weight_version():
     )
     assert not np.array_equal(a.tokens, b.tokens)
     sampler.generate(model, prompts, keys, max_new_tokens=6, dtype="bfloat16")
-    assert sampler._prepared[2]["head"].dtype == jnp.bfloat16  # another dtype: prepared anew
+    cast, weights = sampler._prepared[2]  # another dtype: prepared anew, the state cast once
+    assert weights["head"].dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
