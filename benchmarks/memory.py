@@ -119,8 +119,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{temp + arg:.2f} | {secs:.0f} |"
         )
     out = Path(args.out)
-    if args.append and out.exists():  # keep the existing table, add this run's rows
-        lines = out.read_text().rstrip("\n").split("\n") + lines[6:]
+    if args.append and out.exists():  # keep the file, add this run's rows to its table
+        old = out.read_text().rstrip("\n").split("\n")
+        end = max(i for i, line in enumerate(old) if line.startswith(("| train", "| sampler")))
+        lines = old[: end + 1] + lines[6:] + old[end + 1 :]
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 
