@@ -74,7 +74,7 @@ class ModelConfig:
     # without a batch dimension (recomputes the cheap element-wise work). Same numbers;
     # memory against time, benchmarks/results/memory.md.
     remat: str = "none"
-    # Attention of training forwards (tpu_jobs.model.FUSED_ATTENTION): "dense" (the
+    # Attention of training forwards (tpu_jobs.model.ATTENTION): "dense" (the
     # project's einsums; probabilities [B, heads, T, T] in float32), "chunked" (the same
     # einsums over blocks of attention_chunk queries, each recomputed in the backward
     # pass: one block's probabilities at a time; any platform), or

@@ -47,10 +47,6 @@ from pipeline.config import ModelConfig
 from tpu_jobs.lm_head import head_logits, token_logprobs
 
 DTYPES: dict[str, jnp.dtype] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# model.attention -> `jax.nn.dot_product_attention`'s implementation for attention without
-# a cache (training forwards, scoring). "dense" is absent: the project's own einsum path,
-# the reference (and what the sampler's prefill and decode always use).
-FUSED_ATTENTION: dict[str, str | None] = {"xla": "xla", "cudnn": "cudnn", "auto": None}
 # model.remat -> the `jax.checkpoint` policy of a decoder layer without a cache (what to
 # save for the backward pass; None: nothing beyond the layer's inputs). "none" is absent:
 # no checkpoint at all.
@@ -252,19 +248,10 @@ class Attention(nnx.Module):
             v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
             new_cache = (k_all, v_all)
             k, v = k_all[layer].astype(q.dtype), v_all[layer].astype(q.dtype)
-        if cache_kv is None and self.attention in FUSED_ATTENTION:
-            # The backend's attention (jax.nn.dot_product_attention): with "cudnn", flash
-            # attention that never stores the [B, heads, T, S] probabilities.
-            out = jax.nn.dot_product_attention(
-                q, k, v, mask=visible[:, None], implementation=FUSED_ATTENTION[self.attention]
-            )
-            return out.reshape(b, t, self.num_heads * hd), None
         q = q.reshape(b, t, nkv, g, hd)
-        chunk = self.attention_chunk
-        if cache_kv is None and self.attention == "chunked" and 0 < chunk < t:
-            out = _query_chunked_attention(q, k, v, visible, chunk)
-        else:
-            out = _dense_attention(q, k, v, visible)
+        # With a cache (the sampler's prefill over a shared cache) always the dense path.
+        attend = ATTENTION["dense" if cache_kv is not None else self.attention]
+        out = attend(q, k, v, visible, self.attention_chunk)
         return out.reshape(b, t, self.num_heads * hd), new_cache
 
     def _attend_per_layer(self, q, k, v, visible, k_cache, v_cache, slot):
@@ -325,6 +312,8 @@ def _query_chunked_attention(q, k, v, visible, chunk: int) -> jax.Array:
     pass, instead of all T rows. Queries are padded to a multiple of `chunk` (pad rows see
     no key and are dropped)."""
     b, t = q.shape[:2]
+    if not 0 < chunk < t:  # one block: the dense computation
+        return _dense_attention(q, k, v, visible)
     n = -(-t // chunk)
     pad = n * chunk - t
     qb = jnp.pad(q, ((0, 0), (0, pad)) + ((0, 0),) * 3)
@@ -338,6 +327,33 @@ def _query_chunked_attention(q, k, v, visible, chunk: int) -> jax.Array:
 
     out = jax.lax.map(jax.checkpoint(block), (qb, vis))  # [n, B, chunk, kv, g, hd]
     return out.swapaxes(0, 1).reshape(b, n * chunk, *q.shape[2:])[:, :t]
+
+
+def _backend_attention(implementation: str | None):
+    """`jax.nn.dot_product_attention` with `implementation` as an `ATTENTION` function:
+    with "cudnn", flash attention that never stores the [B, heads, T, S] probabilities."""
+
+    def attend(q, k, v, visible, chunk: int) -> jax.Array:
+        b, t, nkv, g, hd = q.shape
+        out = jax.nn.dot_product_attention(
+            q.reshape(b, t, nkv * g, hd), k, v, mask=visible[:, None],
+            implementation=implementation,
+        )  # fmt: skip
+        return out.reshape(b, t, nkv, g, hd)
+
+    return attend
+
+
+# model.attention -> attention without a cache (training forwards, scoring): q
+# [B, T, kv, g, hd] over k, v [B, S, kv, hd], visible [B, T, S] bool, model.attention_chunk
+# -> [B, T, kv, g, hd]. The one place a platform's kernel (Pallas splash on TPU) slots in.
+ATTENTION: dict[str, Callable[..., jax.Array]] = {
+    "dense": lambda q, k, v, visible, chunk: _dense_attention(q, k, v, visible),
+    "chunked": _query_chunked_attention,
+    "xla": _backend_attention("xla"),
+    "cudnn": _backend_attention("cudnn"),
+    "auto": _backend_attention(None),
+}
 
 
 class MLP(nnx.Module):
