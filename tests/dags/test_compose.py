@@ -3,13 +3,8 @@ with the compose plugin exists; its structure is checked everywhere."""
 
 from __future__ import annotations
 
-import os
-import re
-import selectors
 import shutil
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -81,6 +76,7 @@ def test_compose_sandbox_service_command_serves_what_its_healthcheck_asks(tmp_pa
     wants the token named by --token-env."""
     from pipeline.sandbox.api import HEALTH_PATH, RUN_PATH
     from pipeline.sandbox.isolation import userns_forbidden
+    from tests.pipeline.test_sandbox_service import Service
 
     if (why := userns_forbidden()) is not None:
         pytest.skip(f"no sandbox here: {why}")
@@ -90,34 +86,18 @@ def test_compose_sandbox_service_command_serves_what_its_healthcheck_asks(tmp_pa
     argv[argv.index("--host") + 1] = "127.0.0.1"
     argv[argv.index("--port") + 1] = "0"
     assert HEALTH_PATH in " ".join(svc["healthcheck"]["test"])
-    env = dict(os.environ, RLAX_SANDBOX_TOKEN="compose-test-token", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", *argv],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    service = Service(tmp_path, token="compose-test-token", command=argv)
     try:
-        url, seen, deadline = None, [], time.monotonic() + 120
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            while url is None and time.monotonic() < deadline and sel.select(5):
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                seen.append(line)
-                if match := re.search(r"serving (http://\S+)", line):
-                    url = match.group(1)
-        assert url, "".join(seen)
-        assert httpx.get(url + HEALTH_PATH, timeout=30).status_code == 200
+        assert httpx.get(service.url + HEALTH_PATH, timeout=30).status_code == 200
         body = {"code": "print(6 * 7)", "language": "python"}
-        assert httpx.post(url + RUN_PATH, json=body, timeout=30).status_code == 401
+        assert httpx.post(service.url + RUN_PATH, json=body, timeout=30).status_code == 401
         reply = httpx.post(
-            url + RUN_PATH, json=body, timeout=30,
+            service.url + RUN_PATH, json=body, timeout=30,
             headers={"Authorization": "Bearer compose-test-token"},
         ).json()  # fmt: skip
         assert reply["run_result"]["stdout"] == "42\n", reply
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        service.stop()
 
 
 def test_compose_ships_no_default_secrets():

@@ -41,15 +41,19 @@ pytestmark = pytest.mark.skipif(_FORBIDDEN is not None, reason=f"no sandbox here
 
 
 class Service:
-    """`rlax sandbox serve` as a child process (port 0: the kernel picks a free one)."""
+    """`rlax sandbox serve` as a child process (port 0: the kernel picks a free one).
+    `command`: the whole `rlax` argv instead (it must pick a free port itself)."""
 
-    def __init__(self, tmp: Path, *args: str, token: str | None = TOKEN) -> None:
+    def __init__(
+        self, tmp: Path, *args: str, token: str | None = TOKEN, command: list[str] | None = None
+    ) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         env.pop("RLAX_SANDBOX_TOKEN", None)
         if token:
             env["RLAX_SANDBOX_TOKEN"] = token
         self.stderr_path = tmp / f"service-{uuid.uuid4().hex[:8]}.err"
-        cmd = [sys.executable, "-m", "pipeline.cli", "sandbox", "serve", "--port", "0", *args]
+        command = command or ["sandbox", "serve", "--port", "0", *args]
+        cmd = [sys.executable, "-m", "pipeline.cli", *command]
         with self.stderr_path.open("w") as stderr:
             self.proc = subprocess.Popen(
                 cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
