@@ -2,8 +2,8 @@
 
 Compiles (never runs) the trainer's whole step (`tpu_jobs.memory.train_step_memory`: the
 fused GRPO step, forward + loss + backward + AdamW) and the sampler's generate program
-(`sampler_memory`) for Qwen2.5 shapes, with abstract inputs, on one CPU device, and
-tabulates `compiled.memory_analysis()`: temporaries and arguments, in GiB. Each setting
+(`sampler_memory`) for Qwen2.5 shapes, with abstract inputs, and tabulates
+`compiled.memory_analysis()`: temporaries and arguments, in GiB per device. Each setting
 is a row, so each item's effect on the same shape is visible:
 
 * `dense head` (model.logits_chunk=0): the LM head over every token at once, the
@@ -17,9 +17,14 @@ is a row, so each item's effect on the same shape is visible:
   GPU, model.attention=cudnn (flash attention) does the same job faster; it cannot be
   compiled on a CPU.
 
+`--fsdp N` compiles the train-step rows on a mesh of N fake CPU devices with
+mesh.trainer = [1, N, 1] (FSDP; the activation constraints of tpu_jobs/constraints.py):
+the figures are per device. Sampler rows: `float32` / `bfloat16`, and `kv budget` rows
+under sampler.kv_token_budget (`--kv-budget`, token slots per generate program).
+
 Rows are 8 sequences of `prompt + completion` tokens (GRPO, one group of 8).
 
-    .venv/bin/python benchmarks/memory.py [--models 0.5b] [--tokens 2048,8192]
+    .venv/bin/python benchmarks/memory.py [--models 0.5b] [--tokens 2048,8192] [--fsdp 8]
 
 Compiles take minutes per row on 2 cores (24 layers at 8k tokens); `--models 7b` at 16k
 needs a machine with more memory for the compiler. Writes benchmarks/results/memory.md.
@@ -38,7 +43,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.config import load_config  # noqa: E402
-from tpu_jobs.memory import QWEN25, qwen25_overrides, sampler_memory, train_step_memory  # noqa: E402
 
 PROMPT = 256
 SETTINGS: dict[str, list[str]] = {
@@ -57,55 +61,71 @@ SETTINGS: dict[str, list[str]] = {
 GIB = 2**30
 
 
-def config(shape: str, tokens: int, extra: list[str]):
-    return load_config(
-        None,
-        [
-            *qwen25_overrides(shape),
-            f"model.max_seq_len={tokens}",
-            f"sampler.max_new_tokens={tokens - PROMPT}",
-            "rollout.prompts_per_batch=1",
-            "rollout.group_size=8",
-            *extra,
-        ],
-    )
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="0.5b", help=f"of {', '.join(QWEN25)}")
+    parser.add_argument("--models", default="0.5b", help="of 0.5b, 1.5b, 7b")
     parser.add_argument("--tokens", default="2048,8192", help="tokens per sequence")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="rows, by name")
     parser.add_argument("--sampler", default="64x256+1024,64x256+4096", help="'' for none")
+    parser.add_argument("--fsdp", type=int, default=0, help="train step on N fake devices")
+    parser.add_argument(
+        "--kv-budget", type=int, default=131072, help="sampler.kv_token_budget of its rows"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/memory.md"))
     parser.add_argument(
         "--append", action="store_true", help="add the rows to --out's table (same machine)"
     )
     args = parser.parse_args(argv)
+    if args.fsdp:  # before jax is imported: XLA reads the flag at start-up
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.fsdp}"
+    from tpu_jobs import mesh as meshlib
+    from tpu_jobs.memory import qwen25_overrides, sampler_memory, train_step_memory
+
+    def config(shape: str, tokens: int, extra: list[str]):
+        return load_config(
+            None,
+            [
+                *qwen25_overrides(shape),
+                f"model.max_seq_len={tokens}",
+                f"sampler.max_new_tokens={tokens - PROMPT}",
+                "rollout.prompts_per_batch=1",
+                "rollout.group_size=8",
+                *extra,
+            ],
+        )
+
+    mesh = meshlib.make_mesh((1, args.fsdp, 1)) if args.fsdp else None
+    on = f" on {args.fsdp} devices (FSDP)" if args.fsdp else ""
+    samplers = {
+        "float32": ("float32", []),
+        "bfloat16": ("bfloat16", []),
+        "float32, kv budget": ("float32", [f"sampler.kv_token_budget={args.kv_budget}"]),
+        "bfloat16, kv budget": ("bfloat16", [f"sampler.kv_token_budget={args.kv_budget}"]),
+    }
     rows = []
     for shape in args.models.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
             for name in filter(None, args.settings.split(",")):
                 t0 = time.perf_counter()
-                m = train_step_memory(config(shape, tokens, SETTINGS[name]), PROMPT)
-                rows.append(("train step", shape, f"8 x {tokens}", name, m,
+                m = train_step_memory(config(shape, tokens, SETTINGS[name]), PROMPT, mesh)
+                rows.append(("train step", shape, f"8 x {tokens}", name + on, m,
                              time.perf_counter() - t0))  # fmt: skip
                 print(rows[-1], flush=True)
         for spec in filter(None, args.sampler.split(",")):
             batch, rest = spec.split("x")
             prompt, new = (int(x) for x in rest.split("+"))
-            for dtype in ("float32", "bfloat16"):
+            for name, (dtype, extra) in samplers.items():
                 t0 = time.perf_counter()
-                cfg = config(shape, prompt + new, [])
+                cfg = config(shape, prompt + new, extra)
                 m = sampler_memory(cfg, int(batch), prompt, new, dtype=dtype)
-                rows.append(("sampler", shape, f"{batch} x ({prompt} + {new})", dtype, m,
+                rows.append(("sampler", shape, f"{batch} x ({prompt} + {new})", name, m,
                              time.perf_counter() - t0))  # fmt: skip
                 print(rows[-1], flush=True)
     lines = [
         "# Memory of the train step and the sampler (XLA's memory_analysis)",
         "",
         f"`python benchmarks/memory.py --models {args.models} --tokens {args.tokens}` on "
-        f"{platform.machine()}, {os.cpu_count()} CPUs, one CPU device; compiled, never run. "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, {args.fsdp or 'one'} CPU device(s); compiled, never run. "
         "GiB per device: temporaries (the program's own buffers, after XLA's buffer "
         "assignment) and arguments (weights, optimizer state, batch).",
         "",

@@ -62,7 +62,11 @@ class ModelConfig:
     qk_norm: bool = False  # True for Qwen3: RMSNorm over head_dim on q and k, before RoPE
     tie_embeddings: bool = True
     max_seq_len: int = 256
-    dtype: str = "float32"  # activation/compute dtype; params stay float32
+    # The training roles' compute dtype (trainer, SFT, ORM): activations and matmul
+    # operands; parameters and optimizer state stay float32 (master weights), and the
+    # log-softmax and the losses run in float32. The generating roles (rollout workers,
+    # evaluator, pass-rate job) take sampler.dtype.
+    dtype: str = "float32"
     # Tokens (rows x positions, flattened) whose LM-head logits exist at once when log-probs
     # and entropies are taken (trainer, SFT, ORM; tpu_jobs.lm_head): the head runs chunk by
     # chunk, recomputed in the backward pass, so no [batch, seq, vocab] array is stored.
@@ -241,10 +245,23 @@ class SamplerConfig:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     max_new_tokens: int = 96
+    # Compute dtype of every generating role: rollout workers, the evaluator and the
+    # pass-rate job (bfloat16 on accelerators; the trainer's recomputed log-probs and TIS
+    # absorb the difference, tests/tpu_jobs/test_alignment.py measures it).
     dtype: str = "float32"
+    # Bound on the KV cache of one generate call, in token slots (rows x (prompt + new
+    # tokens), after bucketing); a larger call runs as several smaller ones, each row's
+    # tokens unchanged. 0: no bound (one call, the cache sized batch x maximum length).
+    kv_token_budget: int = 0
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0, "sampler.temperature", self.temperature, ">= 0")
+        _check(
+            self.kv_token_budget >= 0,
+            "sampler.kv_token_budget",
+            self.kv_token_budget,
+            ">= 0 token slots (0: no bound)",
+        )
         _check(self.top_k >= 0, "sampler.top_k", self.top_k, ">= 0 (0 disables)")
         _check(0 < self.top_p <= 1, "sampler.top_p", self.top_p, "(0, 1]")
         _check(self.max_new_tokens > 0, "sampler.max_new_tokens", self.max_new_tokens, "> 0")
@@ -352,6 +369,10 @@ class TrainerConfig:
     # One jitted program per step (forward, loss, backward, update) instead of the chain of
     # programs shared by all objectives; measured slower on XLA:CPU (benchmarks/trainer.py).
     fused_step: bool = False
+    # Sequence packing (tpu_jobs/packing.py): the rows' real tokens laid end to end in
+    # fewer rows, kept apart by segment ids, so the forward and backward skip most padding
+    # of a ragged batch; the same numbers up to float rounding (benchmarks/packing.py).
+    pack: bool = False
     # --- rollout side (DAPO) ------------------------------------------------------------
     dynamic_sampling: bool | None = None  # DAPO: refill the batch with non-constant groups
     dynamic_sampling_rounds: int = 4  # bound: at most rounds * prompts_per_batch candidates

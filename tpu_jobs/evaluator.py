@@ -197,7 +197,11 @@ class Evaluator:
         self.mesh = mesh or sampler_mesh(self.cfg, "evaluator")
         self.model = init_model(self.cfg.model, self.cfg.seed)
         self.sampler = Sampler(
-            self.cfg.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, mesh=self.mesh
+            self.cfg.model,
+            pad_id=self.tok.pad_id,
+            eos_id=self.tok.eos_id,
+            mesh=self.mesh,
+            kv_token_budget=self.cfg.sampler.kv_token_budget,
         )
         ec = self.cfg.eval
         self.ks = tuple(sorted({int(k) for k in ks})) if ks else tuple(ec.ks)
@@ -255,6 +259,7 @@ class Evaluator:
             keys,
             max_new_tokens=self.cfg.sampler.max_new_tokens,
             temperature=ec.temperature,
+            dtype=self.cfg.sampler.dtype,
             batch_size=ec.batch_size,
         )
         texts, completion_ids = scored.texts, scored.completion_ids

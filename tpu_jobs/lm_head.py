@@ -21,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tpu_jobs.constraints import constrain
+
 
 def head_logits(hidden: jax.Array, weight: jax.Array, *, vocab_major: bool) -> jax.Array:
     """float32 logits [..., V] of hidden states [..., H], computed in hidden's dtype.
@@ -42,6 +44,10 @@ def _token_stats(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Dense (log p(target), entropy | None) for hidden [..., H] and targets [...]."""
     logits = head_logits(hidden, weight, vocab_major=vocab_major)
+    # On a mesh: every device computes its slice of the vocabulary for all of the tokens
+    # (the weight is vocabulary-parallel, tpu_jobs.mesh.PARAM_RULES), so a device holds
+    # tokens x V / devices logits and the weight is never gathered.
+    logits = constrain(logits, *[None] * (logits.ndim - 1), "vocab")
     logp = jax.nn.log_softmax(logits / temp, axis=-1)
     picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1) if entropy else None
@@ -82,7 +88,10 @@ def token_logprobs(
     # saves nothing, and prevent_cse is off as the scan already keeps XLA from merging the
     # recomputation with the forward.
     body = jax.checkpoint(stats, prevent_cse=False)
-    picked, ent = jax.lax.map(lambda xs: body(xs[0], xs[1], weight, temp), (flat_h, flat_t))
+    # A chunk's hidden states go to every device (a few rows, next to the logits).
+    picked, ent = jax.lax.map(
+        lambda xs: body(constrain(xs[0], None, None), xs[1], weight, temp), (flat_h, flat_t)
+    )
 
     def unflatten(x: jax.Array) -> jax.Array:
         return x.reshape(steps * chunk)[:total].reshape(b, n)

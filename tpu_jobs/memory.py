@@ -51,14 +51,26 @@ def _figures(compiled: Any) -> dict[str, int]:
     }
 
 
-def train_step_memory(cfg: RunConfig, prompt_len: int) -> dict[str, int]:
-    """memory_analysis() figures of the trainer's fused step for `cfg` (one device):
-    rows = rollout.prompts_per_batch * group_size, prompt_len + sampler.max_new_tokens
-    tokens each."""
+def train_step_memory(
+    cfg: RunConfig, prompt_len: int, mesh: jax.sharding.Mesh | None = None
+) -> dict[str, int]:
+    """memory_analysis() figures of the trainer's fused step for `cfg`: rows =
+    rollout.prompts_per_batch * group_size, prompt_len + sampler.max_new_tokens tokens
+    each. On one device, or per device of `mesh` (the state placed by the trainer's rules,
+    the batch split over data x fsdp, as `Learner` does)."""
+    return _figures(compile_train_step(cfg, prompt_len, mesh))
+
+
+def compile_train_step(
+    cfg: RunConfig, prompt_len: int, mesh: jax.sharding.Mesh | None = None
+) -> Any:
+    """The trainer's fused step for `cfg`, compiled for abstract inputs (see
+    `train_step_memory`); its `as_text()` is the partitioned HLO."""
+    from tpu_jobs import mesh as meshlib
     from tpu_jobs.trainer import Learner, StepInputs
 
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, fused_step=True))
-    learner = Learner(cfg, prompt_len, abstract=True)
+    learner = Learner(cfg, prompt_len, abstract=True, mesh=mesh)
     if not learner.fused:
         raise ValueError(
             "train_step_memory compiles the single-update step; allowed: trainer.mini_batches"
@@ -68,7 +80,8 @@ def train_step_memory(cfg: RunConfig, prompt_len: int) -> dict[str, int]:
     r, t, c = learner.rows, prompt_len + learner.completion_len, learner.completion_len
 
     def sds(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype)
+        sharding = None if mesh is None else meshlib.batch_sharding(mesh, len(shape))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     inp = StepInputs(
         sds((r, t), jnp.int32),
@@ -78,20 +91,23 @@ def train_step_memory(cfg: RunConfig, prompt_len: int) -> dict[str, int]:
         sds((r,), jnp.float32),
     )
     ref = params if learner.needs_ref else None
-    return _figures(learner._fused_step.lower(params, opt_state, ref, inp).compile())
+    with learner.under_mesh():
+        return learner._fused_step.lower(params, opt_state, ref, inp, None).compile()
 
 
 def sampler_memory(
     cfg: RunConfig, batch: int, prompt_len: int, new_tokens: int, *, dtype: str = "float32"
 ) -> dict[str, int]:
     """memory_analysis() figures of the sampler's generate program (prefill + decode loop)
-    for `batch` prompts of `prompt_len` tokens and `new_tokens` new ones (one device)."""
+    for `batch` prompts of `prompt_len` tokens and `new_tokens` new ones (one device); under
+    sampler.kv_token_budget, of the program of one part of the call (`rows_per_call`)."""
     from flax import nnx
 
     from tpu_jobs.model import init_cache, init_model
     from tpu_jobs.sampler import Sampler
 
-    sampler = Sampler(cfg.model)
+    sampler = Sampler(cfg.model, kv_token_budget=cfg.sampler.kv_token_budget)
+    batch = sampler.rows_per_call(batch, prompt_len + new_tokens)  # one program's rows
     graphdef, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg.model, 0)))
     state, weights = sampler.abstract_weights(graphdef, state, dtype)
     total = prompt_len + new_tokens

@@ -42,13 +42,15 @@ BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 
 # (regex on the flat name, spec). Kernels are [in, out] (see tpu_jobs.model).
 PARAM_RULES: tuple[tuple[str, P], ...] = (
-    (r"(^|\.)embed_tokens\.embedding$", P("tensor", "fsdp")),  # [vocab, hidden]
+    # [vocab, hidden]: vocabulary-parallel over every model axis, so the LM head (tied or
+    # not) computes each device's slice of the logits without gathering the weight.
+    (r"(^|\.)embed_tokens\.embedding$", P(("tensor", "fsdp"))),
     (r"\.self_attn\.[qkv]_proj\.kernel$", P("fsdp", "tensor")),  # column parallel
     (r"\.self_attn\.[qkv]_proj\.bias$", P("tensor")),
     (r"\.self_attn\.o_proj\.kernel$", P("tensor", "fsdp")),  # row parallel
     (r"\.mlp\.(gate|up)_proj\.kernel$", P("fsdp", "tensor")),
     (r"\.mlp\.down_proj\.kernel$", P("tensor", "fsdp")),
-    (r"(^|\.)lm_head\.kernel$", P("fsdp", "tensor")),  # [hidden, vocab]
+    (r"(^|\.)lm_head\.kernel$", P(None, ("tensor", "fsdp"))),  # [hidden, vocab]
     (r".*", P()),  # norms (incl. q_norm/k_norm), optimizer counters: replicated
 )
 

@@ -44,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 from pipeline.config import ModelConfig
+from tpu_jobs.constraints import constrain
 from tpu_jobs.lm_head import head_logits, token_logprobs
 
 DTYPES: dict[str, jnp.dtype] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -212,12 +213,14 @@ class Attention(nnx.Module):
         None for a per-layer cache (k_all, v_all: this layer's arrays, see KVCache)."""
         b, t, _ = x.shape
         nkv, hd = self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(b, t, self.num_heads, hd)
-        k = self.k_proj(x).reshape(b, t, nkv, hd)
-        v = self.v_proj(x).reshape(b, t, nkv, hd)
+        heads = ("batch", None, "heads", None)
+        q = constrain(self.q_proj(x).reshape(b, t, self.num_heads, hd), *heads)
+        k = constrain(self.k_proj(x).reshape(b, t, nkv, hd), *heads)
+        v = constrain(self.v_proj(x).reshape(b, t, nkv, hd), *heads)
         q, k = self.norm_rope(q, k, cos, sin)
         out, new_cache = self.attend(q, k, v, visible, cache_kv)
-        return self.o_proj(out), new_cache
+        out = constrain(out, "batch", None, "heads")
+        return constrain(self.o_proj(out), "batch", None, None), new_cache
 
     def norm_rope(self, q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array):
         """q [B, T, heads, hd], k [B, T, kv, hd] -> (q, k) after q/k norm (Qwen3) and RoPE."""
@@ -247,7 +250,8 @@ class Attention(nnx.Module):
             k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
             v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
             new_cache = (k_all, v_all)
-            k, v = k_all[layer].astype(q.dtype), v_all[layer].astype(q.dtype)
+            s = visible.shape[-1]  # the slots that can be visible (see Transformer.hidden)
+            k, v = k_all[layer, :, :s].astype(q.dtype), v_all[layer, :, :s].astype(q.dtype)
         q = q.reshape(b, t, nkv, g, hd)
         # With a cache (the sampler's prefill over a shared cache) always the dense path.
         attend = ATTENTION["dense" if cache_kv is not None else self.attention]
@@ -266,15 +270,19 @@ class Attention(nnx.Module):
         if t == 1:
             return self._decode_attend(q, visible, k_cache, v_cache), (k_cache, v_cache)
         # Plain batched matmuls over (B, kv) with rows (g, T): XLA:CPU runs them as library
-        # matmuls on the cache buffers in place.
+        # matmuls on the cache buffers in place. Only the slots that can be visible are
+        # read (a prefill from slot 0 sees its own T, not the whole cache: at 64 x (256 +
+        # 4k) the scores over every slot were 4 GB per copy).
+        s = visible.shape[-1]
+        k_seen, v_seen = k_cache[..., :s], v_cache[:, :, :s]
         q = q.reshape(b, t, nkv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * t, hd)
         scores = jnp.einsum(
-            "bkmd,bkds->bkms", q, k_cache.astype(q.dtype), preferred_element_type=jnp.float32
+            "bkmd,bkds->bkms", q, k_seen.astype(q.dtype), preferred_element_type=jnp.float32
         )
         scores = scores.reshape(b, nkv, g, t, -1) / math.sqrt(hd)
         scores = jnp.where(visible[:, None, None], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, nkv, g * t, -1)
-        out = jnp.einsum("bkms,bksd->bkmd", probs, v_cache.astype(q.dtype))
+        out = jnp.einsum("bkms,bksd->bkmd", probs, v_seen.astype(q.dtype))
         out = out.reshape(b, nkv, g, t, hd).transpose(0, 3, 1, 2, 4)  # [B, T, kv, g, hd]
         return out.reshape(b, t, self.num_heads * hd), (k_cache, v_cache)
 
@@ -365,7 +373,9 @@ class MLP(nnx.Module):
         self.down_proj = Linear(i, h, bias=False, std=out_std, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = constrain(self.gate_proj(x), "batch", None, "mlp")
+        up = constrain(self.up_proj(x), "batch", None, "mlp")
+        return constrain(self.down_proj(jax.nn.silu(gate) * up), "batch", None, None)
 
 
 class DecoderLayer(nnx.Module):
@@ -442,20 +452,33 @@ class Transformer(nnx.Module):
         cache_index: jax.Array | int | None = None,
         *,
         dtype: str | None = None,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Final hidden states [B, T, H] (after the last RMSNorm, in the compute dtype) and
-        the updated cache: `__call__` without the LM head (same arguments)."""
+        the updated cache: `__call__` without the LM head (same arguments).
+
+        `segments` [B, T] int (no cache; `tpu_jobs.packing`): several sequences per row,
+        query i sees key j iff j <= i and both are in the same segment (> 0)."""
         cdt = _dtype(dtype or self.cfg.dtype)
         b, t = tokens.shape
         mask = mask.astype(jnp.int32)
-        x = self.embed_tokens(tokens).astype(cdt)
+        x = constrain(self.embed_tokens(tokens).astype(cdt), "batch", None, None)
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
         if cache is None:
             key_mask, slot = mask, jnp.int32(0)
         else:
             slot = jnp.asarray(0 if cache_index is None else cache_index, jnp.int32)
             key_mask = jax.lax.dynamic_update_slice(cache.mask, mask, (jnp.int32(0), slot))
-        visible = visible_keys(key_mask, slot, t)
+        if segments is not None:
+            if cache is not None:
+                raise ValueError("segments (packed rows) are for the cache-less forward")
+            visible = segment_visible(segments)
+        else:
+            visible = visible_keys(key_mask, slot, t)
+        if cache is not None and isinstance(cache_index, int):
+            # A slot known at trace time (the sampler's prefill from 0): no key beyond
+            # cache_index + T is visible, so attention reads only those slots.
+            visible = visible[:, :, : min(cache_index + t, key_mask.shape[1])]
 
         k_all = v_all = None
         if cache is not None:
@@ -529,6 +552,15 @@ def visible_keys(key_mask: jax.Array, slot: jax.Array, t: int) -> jax.Array:
     q_slot = slot + jnp.arange(t, dtype=jnp.int32)
     k_slot = jnp.arange(key_mask.shape[1], dtype=jnp.int32)
     return (k_slot[None, None, :] <= q_slot[None, :, None]) & (key_mask[:, None, :] > 0)
+
+
+def segment_visible(segments: jax.Array) -> jax.Array:
+    """[B, T, T] bool: query i sees key j iff j <= i and segments[:, j] == segments[:, i]
+    > 0 (packed rows, `tpu_jobs.packing`)."""
+    t = segments.shape[1]
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+    same = segments[:, :, None] == segments[:, None, :]
+    return causal[None] & same & (segments[:, None, :] > 0)
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

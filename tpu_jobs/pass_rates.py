@@ -104,7 +104,13 @@ def pass_rates(
     load_flat_params(model, snapshot.tensors)
     if mesh is not None:
         meshlib.shard_model(model, mesh)
-    sampler = Sampler(cfg.model, pad_id=tok.pad_id, eos_id=tok.eos_id, mesh=mesh)
+    sampler = Sampler(
+        cfg.model,
+        pad_id=tok.pad_id,
+        eos_id=tok.eos_id,
+        mesh=mesh,
+        kv_token_budget=cfg.sampler.kv_token_budget,
+    )
     temperature = cfg.sampler.temperature if temperature is None else temperature
     batch_size = batch_size or cfg.eval.batch_size
     keys = sample_keys(cfg.seed, PASS_RATE_STREAM, snapshot.version, 0, len(problems), k)
@@ -118,6 +124,7 @@ def pass_rates(
         temperature=temperature,
         top_k=cfg.sampler.top_k,
         top_p=cfg.sampler.top_p,
+        dtype=cfg.sampler.dtype,
         batch_size=batch_size,
         on_batch=lambda done, total: log(
             f"[pass-rates] v{snapshot.version}: {done}/{total} samples"

@@ -138,7 +138,11 @@ class RolloutWorker:
         self.mesh = mesh or sampler_mesh(self.cfg, "rollout worker")
         self.model = init_model(self.cfg.model, self.cfg.seed)
         self.sampler = Sampler(
-            self.cfg.model, pad_id=self.tok.pad_id, eos_id=self.tok.eos_id, mesh=self.mesh
+            self.cfg.model,
+            pad_id=self.tok.pad_id,
+            eos_id=self.tok.eos_id,
+            mesh=self.mesh,
+            kv_token_budget=self.cfg.sampler.kv_token_budget,
         )
         self.version: int | None = None
         self._stop = False

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import jax
 import jax.numpy as jnp
@@ -271,6 +271,10 @@ class Sampler:
     `mesh` (see tpu_jobs.mesh): weights are placed by `PARAM_RULES`, prompts and the KV
     cache split over data x fsdp (batch buckets rounded up to a multiple of that size).
 
+    `kv_token_budget` (sampler.kv_token_budget): at most that many KV-cache token slots
+    per generate program; a call over more runs in consecutive parts of at most
+    `rows_per_call` rows (each row's tokens do not depend on the others'). 0: no bound.
+
     `decode_layout`: a name in `tpu_jobs.decode.DECODE_LAYOUTS`; None picks the faster one
     for the model and the platform of the mesh (or the default device): feature_major on
     CPU for hidden sizes >= 256 (`tpu_jobs.decode.default_layout`). feature_major keeps a
@@ -288,6 +292,7 @@ class Sampler:
         new_token_buckets: Sequence[int] = DEFAULT_NEW_TOKEN_BUCKETS,
         mesh: jax.sharding.Mesh | None = None,
         decode_layout: str | None = None,
+        kv_token_budget: int = 0,
     ):
         for name, buckets in (
             ("batch_buckets", batch_buckets),
@@ -318,11 +323,38 @@ class Sampler:
         self._prepare_fns: dict[tuple, jax.stages.Wrapped] = {}
         self._weights: tuple[nnx.GraphDef, nnx.State] | None = None
         self.mesh = mesh
+        if kv_token_budget < 0:
+            raise ValueError(
+                f"kv_token_budget={kv_token_budget} is invalid; allowed: >= 0 (0: no bound)"
+            )
+        self.kv_token_budget = int(kv_token_budget)
 
     @property
     def compile_count(self) -> int:
         """Number of programs compiled so far (one per bucket/settings combination)."""
         return len(self._compiled)
+
+    def rows_per_call(self, n: int, length: int) -> int:
+        """How many of `n` rows of `length` cache slots (prompt + new-token buckets) one
+        generate program takes under the KV budget: all of them without one, else the
+        largest batch bucket (a multiple of the mesh's data x fsdp) whose cache fits."""
+        multiple = 1 if self.mesh is None else meshlib.batch_size_multiple(self.mesh)
+
+        def padded(rows: int) -> int:
+            return -(-bucket(rows, self.batch_buckets) // multiple) * multiple
+
+        if not self.kv_token_budget or padded(n) * length <= self.kv_token_budget:
+            return n
+        fits = [
+            b for b in self.batch_buckets if b < n and padded(b) * length <= self.kv_token_budget
+        ]
+        if not fits:
+            raise ValueError(
+                f"sampler.kv_token_budget={self.kv_token_budget} holds no generate program of "
+                f"{padded(1)} row(s) x {length} cache slots (prompt + new-token buckets); "
+                f"allowed: a budget of at least {padded(1) * length}, or fewer new tokens"
+            )
+        return max(fits)
 
     def set_weights(self, model: Transformer) -> None:
         """Split `model` once; later `generate(None, ...)` calls use these weights."""
@@ -425,15 +457,35 @@ class Sampler:
             raise ValueError(f"top_p={top_p} is invalid; allowed: (0, 1] (1: off)")
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
-        graphdef, state, given = self._split(model)
         typed_keys = _as_keys(keys, n)
+        pb = bucket(max(len(p) for p in prompts), self.prompt_buckets)
+        nb = bucket(max_new_tokens, self.new_token_buckets)
+        rows = self.rows_per_call(n, pb + nb)
+        if rows < n:  # the KV budget: consecutive parts, each its own bounded program
+            parts = [
+                self.generate(
+                    model,
+                    prompts[i : i + rows],
+                    typed_keys[i : i + rows],
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    dtype=dtype,
+                )
+                for i in range(0, n, rows)
+            ]
+            joined = {
+                f.name: np.concatenate([getattr(r, f.name) for r in parts])
+                for f in fields(SampleResult)
+            }
+            return SampleResult(**joined)
+        graphdef, state, given = self._split(model)
 
         bb = bucket(n, self.batch_buckets)
         if self.mesh is not None:
             multiple = meshlib.batch_size_multiple(self.mesh)
             bb = -(-bb // multiple) * multiple
-        pb = bucket(max(len(p) for p in prompts), self.prompt_buckets)
-        nb = bucket(max_new_tokens, self.new_token_buckets)
         tokens = np.full((bb, pb), self.pad_id, np.int32)
         mask = np.zeros((bb, pb), np.int32)
         for i, prompt in enumerate(prompts):  # left padding

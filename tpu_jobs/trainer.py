@@ -44,6 +44,7 @@ batch's own solutions).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import signal
@@ -86,8 +87,9 @@ from tpu_jobs.losses import (
     masked_min,
 )
 from tpu_jobs.model import init_model
+from tpu_jobs.packing import Packing, pack
 from tpu_jobs.state import flat_to_params, make_optimizer, new_model, params_to_flat, split_model
-from tpu_jobs.value_head import init_value_head, policy_forward
+from tpu_jobs.value_head import init_value_head, packed_policy_forward, policy_forward
 
 sg = jax.lax.stop_gradient
 
@@ -162,8 +164,19 @@ class ModelPrograms:
         fns, p = self.fns, prompt_len
 
         # Only the completion's log-probs are taken (`first=p`): the LM head, in chunks of
-        # model_cfg.logits_chunk tokens, never runs on the prompt positions.
-        def outputs(params, tokens, mask):
+        # model_cfg.logits_chunk tokens, never runs on the prompt positions. `packing`
+        # (`tpu_jobs.packing`, trainer.pack): the same outputs from packed rows.
+        def outputs(params, tokens, mask, packing=None):
+            if packing is not None:
+                out = packed_policy_forward(
+                    fns.merge(params["policy"]),
+                    packing,
+                    mask[:, p:],
+                    temperature,
+                    params.get("value"),
+                    entropy=entropy,
+                )
+                return out.logp, out.entropy, out.values
             if values or entropy:
                 return tuple(
                     policy_forward(
@@ -178,10 +191,15 @@ class ModelPrograms:
                 )
             return fns.logprobs(params["policy"], tokens, mask, temperature, first=p), None, None
 
-        def forward_vjp(params, tokens, mask):
-            return jax.vjp(lambda prm: outputs(prm, tokens, mask), params)
+        def forward_vjp(params, tokens, mask, packing=None):
+            return jax.vjp(lambda prm: outputs(prm, tokens, mask, packing), params)
 
-        def ref_logp(ref_params, tokens, mask):
+        def ref_logp(ref_params, tokens, mask, packing=None):
+            if packing is not None:
+                out = packed_policy_forward(
+                    fns.merge(ref_params), packing, mask[:, p:], temperature
+                )
+                return sg(out.logp)
             return sg(fns.logprobs(ref_params, tokens, mask, temperature, first=p))
 
         # Unjitted, for callers composing their own programs (the fused step).
@@ -316,11 +334,13 @@ def all_finite(tree: Any) -> jax.Array:
 
 
 def _keep_shardings(apply_fn, state):
-    """`apply_fn` whose new (params, opt_state) are constrained to the shardings of
-    `state` = (params, opt_state)."""
+    """`apply_fn` whose gradients and new (params, opt_state) are constrained to the
+    shardings of `state` = (params, opt_state): each device reduces only its own shard of
+    every gradient (a reduce-scatter on GPU and TPU) instead of keeping whole ones."""
     shardings = jax.tree.map(lambda x: x.sharding, state)
 
     def apply(params, opt_state, grads):
+        grads = jax.lax.with_sharding_constraint(grads, shardings[0])
         params, opt_state, grad_norm, finite = apply_fn(params, opt_state, grads)
         params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), shardings)
         return params, opt_state, grad_norm, finite
@@ -425,9 +445,14 @@ class Learner:
             tc.value_lr_mult if self.uses_values else 1.0,
         )
         if abstract:  # shapes only, nothing allocated: for compiling (benchmarks/memory.py)
-            if mesh is not None:
-                raise ValueError("Learner(abstract=True) takes no mesh")
-            self.template = jax.eval_shape(lambda: self.init_state(new_model(cfg.model, 0)[1]))
+            self.template = jax.eval_shape(lambda: self.init_params(new_model(cfg.model, 0)[1]))
+            self.template = self.template, jax.eval_shape(self.tx.init, self.template)
+            if mesh is not None:  # the shapes carry the placement `place` would give
+                self.template = jax.tree.map(
+                    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                    self.template,
+                    meshlib.tree_shardings(self.template, mesh),
+                )
         else:
             _, policy = new_model(cfg.model, cfg.seed)
             self.template = self.init_state(policy)
@@ -446,13 +471,14 @@ class Learner:
     def _fused_fn(self, loss, apply_fn):
         outputs, ref_outputs = self.programs.outputs, self.programs.ref_outputs
 
-        def step(params, opt_state, ref_params, inp: StepInputs):
+        def step(params, opt_state, ref_params, inp: StepInputs, packing: Packing | None):
             logp_ref = None
             if ref_params is not None:
-                logp_ref = ref_outputs(ref_params, inp.tokens, inp.mask)
+                logp_ref = ref_outputs(ref_params, inp.tokens, inp.mask, packing)
 
             def f(prm):
-                return loss(outputs(prm, inp.tokens, inp.mask), inp, None, logp_ref, None)
+                outs = outputs(prm, inp.tokens, inp.mask, packing)
+                return loss(outs, inp, None, logp_ref, None)
 
             (value, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
             metrics["loss"] = value
@@ -474,6 +500,12 @@ class Learner:
         params = self.place(self.init_params(policy_params))
         return params, self.place(self.tx.init(params))
 
+    def under_mesh(self) -> contextlib.AbstractContextManager:
+        """The context the step's programs are traced and run in: the trainer mesh
+        (`jax.set_mesh`), so the model's activation constraints (`tpu_jobs.constraints`)
+        apply; nothing without a mesh."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
     def place(self, tree: Any) -> Any:
         """`tree` (params, optimizer state, reference params) on the trainer mesh by
         `mesh.PARAM_RULES`; unchanged without a mesh."""
@@ -483,29 +515,49 @@ class Learner:
         return tree if self.mesh is None else meshlib.shard_batch(tree, self.mesh)
 
     # ------------------------------------------------------------------- step
-    def _grads(self, params, inp: StepInputs, pre: Prepared | None, logp_ref, norm):
-        outs, vjp_fn = self.programs.forward_vjp(params, inp.tokens, inp.mask)
+    def _pack(self, inp: StepInputs) -> Packing | None:
+        """The rows of `inp` (host arrays) packed when trainer.pack is on, placed like a
+        batch; None otherwise."""
+        if not self.cfg.trainer.pack:
+            return None
+        multiple = 1 if self.mesh is None else meshlib.batch_size_multiple(self.mesh)
+        packing = pack(np.asarray(inp.tokens), np.asarray(inp.mask), self.completion_len, multiple)
+        return self._place_batch(Packing(*(jnp.asarray(x) for x in packing)))
+
+    def _grads(self, params, inp: StepInputs, pre: Prepared | None, logp_ref, norm, packing):
+        outs, vjp_fn = self.programs.forward_vjp(params, inp.tokens, inp.mask, packing)
         metrics, cot = self._grad_head(outs, inp, pre, logp_ref, norm)
         return self.programs.backward(vjp_fn, cot), metrics
 
     def step(self, params, opt_state, ref_params, inp: StepInputs):
         """One trainer step on one batch: (params, opt_state, {metric: float})."""
-        inp = self._place_batch(StepInputs(*(jnp.asarray(x) for x in inp)))
+        with self.under_mesh():
+            return self._step(params, opt_state, ref_params, inp)
+
+    def _step(self, params, opt_state, ref_params, inp: StepInputs):
+        host = StepInputs(*(np.asarray(x) for x in inp))
+        packing = self._pack(host)  # the whole batch's, for the whole-batch programs
+        inp = self._place_batch(StepInputs(*(jnp.asarray(x) for x in host)))
         logp_ref = None
         if ref_params is not None and self.needs_ref and not self.fused:
-            logp_ref = self.programs.ref_logp(ref_params, inp.tokens, inp.mask)
+            logp_ref = self.programs.ref_logp(ref_params, inp.tokens, inp.mask, packing)
         if self.fused:
             ref = ref_params if self.needs_ref else None
-            params, opt_state, metrics = self._fused_step(params, opt_state, ref, inp)
+            params, opt_state, metrics = self._fused_step(params, opt_state, ref, inp, packing)
             return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
         if self.single:
-            grads, metrics = self._grads(params, inp, None, logp_ref, None)
+            grads, metrics = self._grads(params, inp, None, logp_ref, None, packing)
             params, opt_state, metrics["grad_norm"], finite = self._apply(params, opt_state, grads)
             metrics["nonfinite_updates"] = 1.0 - finite.astype(jnp.float32)
             return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
-        outs = self.programs.forward(params, inp.tokens, inp.mask)
+        outs = self.programs.forward(params, inp.tokens, inp.mask, packing)
         pre, pre_metrics = self._prepare(outs, inp, logp_ref)
         tc = self.cfg.trainer
+        # Each micro-batch is packed once per step (its rows are the same every epoch).
+        micro_packings = {
+            m0: self._pack(jax.tree.map(lambda x, m0=m0: x[m0 : m0 + self.micro_rows], host))
+            for m0 in range(0, self.rows, self.micro_rows)
+        }
         per_update: list[dict[str, Any]] = []
         for _ in range(tc.epochs):
             for k in range(tc.mini_batches):
@@ -523,6 +575,7 @@ class Learner:
                         self._place_batch(jax.tree.map(take, pre)),
                         None,
                         norm,
+                        micro_packings[m0],
                     )
                     grads = g if grads is None else _add_trees(grads, g)
                     parts.append(jax.device_get(m))

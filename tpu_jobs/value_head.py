@@ -20,7 +20,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from tpu_jobs.lm_head import token_logprobs
 from tpu_jobs.model import Transformer, positions_from_mask, token_logprobs_of
+from tpu_jobs.packing import Packing
 
 ValueParams = dict[str, jax.Array]
 
@@ -100,6 +102,46 @@ def policy_forward(
     if value_params is not None:
         values = _shift(apply_value_head(value_params, hidden[:, :-1]), mask)[:, first:]
     return PolicyOutputs(logp, ent, values)
+
+
+def packed_policy_forward(
+    model: Transformer,
+    packing: Packing,
+    completion_mask: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    value_params: ValueParams | None = None,
+    *,
+    entropy: bool = False,
+) -> PolicyOutputs:
+    """`policy_forward(..., first=T - C)` of a batch [R, T] given packed
+    (`tpu_jobs.packing.pack`): the same per-token outputs [R, C] of the completion columns
+    (0 where `completion_mask` [R, C] is 0), from one trunk pass over the packed rows.
+    Each completion token's log-prob, entropy and value come from the packed hidden state
+    just before it, which saw the same prefix at the same positions."""
+    tokens, segments = jnp.asarray(packing.tokens), jnp.asarray(packing.segments)
+    hidden, _ = model.hidden(
+        tokens, jnp.asarray(packing.positions), (segments > 0).astype(jnp.int32),
+        segments=segments,
+    )  # fmt: skip
+    rows, cols = jnp.asarray(packing.rows), jnp.asarray(packing.cols)
+    h = hidden[rows, cols - 1]  # [R, C, H]: the states that predict the completion tokens
+    weight, vocab_major = model.head()
+    logp, ent = token_logprobs(
+        h,
+        tokens[rows, cols],
+        weight,
+        vocab_major=vocab_major,
+        temperature=temperature,
+        chunk=model.cfg.logits_chunk,
+        entropy=entropy,
+    )
+    keep = jnp.asarray(completion_mask) > 0
+
+    def masked(x: jax.Array | None) -> jax.Array | None:
+        return None if x is None else jnp.where(keep, x, 0.0)
+
+    values = None if value_params is None else apply_value_head(value_params, h)
+    return PolicyOutputs(masked(logp), masked(ent), masked(values))
 
 
 def count_params(tree: Any) -> int:

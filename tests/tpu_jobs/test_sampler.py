@@ -270,3 +270,22 @@ def test_bfloat16_and_argument_errors(model, sampler):
         sampler.generate(model, PROMPTS, keys_for(3), max_new_tokens=4, top_p=0.0)
     with pytest.raises(ValueError, match="dtype"):
         sampler.generate(model, PROMPTS, keys_for(3), max_new_tokens=4, dtype="float16")
+
+
+def test_kv_token_budget_splits_a_call_and_keeps_every_rows_tokens(model):
+    """sampler.kv_token_budget: 3 prompts of the 16-token bucket with 12 new tokens (16)
+    need 4 x 32 cache slots; a budget of 64 runs them as 2 + 1 rows, with the same tokens
+    and log-probs per row as one call. A budget that holds no row is refused."""
+    whole = Sampler(CFG, pad_id=PAD, eos_id=EOS)
+    bounded = Sampler(CFG, pad_id=PAD, eos_id=EOS, kv_token_budget=64)
+    assert bounded.rows_per_call(3, 32) == 2 and whole.rows_per_call(3, 32) == 3
+    k = keys_for(3, seed=7)
+    want = whole.generate(model, PROMPTS, k, max_new_tokens=MAX_NEW)
+    got = bounded.generate(model, PROMPTS, k, max_new_tokens=MAX_NEW)
+    assert bounded.compile_count == 2  # a 2-row and a 1-row program
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    tight = Sampler(CFG, pad_id=PAD, eos_id=EOS, kv_token_budget=31)
+    with pytest.raises(ValueError, match=r"kv_token_budget=31 .* at least 32"):
+        tight.generate(model, PROMPTS, k, max_new_tokens=MAX_NEW)

@@ -690,3 +690,30 @@ def test_a_version_a_worker_refuses_is_reported_and_rewritten_by_the_trainer(
     assert_equal = np.testing.assert_array_equal
     for name, x in original.items():
         assert_equal(healed[name], x)
+
+
+@pytest.mark.parametrize("alg,fused,micro_batch", [("grpo", True, 0), ("ppo", False, 4)])
+def test_packed_steps_equal_unpacked_steps(alg, fused, micro_batch, grpo_run, trainer, real_batch):
+    """trainer.pack changes the layout, not the step: the same loss, metrics and new
+    parameters as the padded rows (the fused step; the shared programs with a value head
+    over packed micro-batches)."""
+    from tpu_jobs.packing import pack
+
+    out = []
+    for packed in (False, True):
+        cfg = with_trainer(grpo_run.config, algorithm=alg, pack=packed, micro_batch=micro_batch)
+        learner = Learner(cfg, trainer.prompt_len, fused=fused)
+        params, opt = learner.init_state(trainer._base_params())
+        inputs = learner.inputs(real_batch)
+        ref = trainer._base_params() if learner.needs_ref else None
+        p, _, m = learner.step(params, opt, ref, inputs)
+        out.append((jax.tree.map(np.asarray, p), m))
+    rows = pack(inputs.tokens, inputs.mask, learner.completion_len).tokens.shape[0]
+    assert rows < learner.rows  # the batch is ragged: packing saves rows
+    (pa, ma), (pb, mb) = out
+    assert set(ma) == set(mb)
+    for key in ("loss", "grad_norm", "ratio_mean", "entropy"):
+        if key in ma:
+            assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
