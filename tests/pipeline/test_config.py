@@ -159,6 +159,7 @@ BAD_VALUES = {
     "sampler.top_k": -1,
     "sampler.top_p": 0,
     "sampler.max_new_tokens": 0,
+    "sampler.kv_token_budget": -1,
     "trainer.steps": -1,
     "trainer.lr": ".inf",
     "trainer.warmup_steps": -5,

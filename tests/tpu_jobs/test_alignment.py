@@ -140,3 +140,29 @@ def test_tiny_clip_ranges_are_swamped_by_bf16_drift(setup):
     assert behaviour["clip_frac"] > 0.1  # about half the outside ones have the matching sign
     assert recompute["clip_frac"] == 0.0
     assert f32m["clip_frac"] == 0.0  # float32 sampling stays inside even that range
+
+
+def test_bfloat16_trainer_keeps_float32_master_weights(setup):
+    """model.dtype=bfloat16 (the trainer's compute dtype): the parameters and AdamW's
+    moments stay float32 after a step and change; the on-policy ratio against its own
+    recomputation is exactly 1, and the float32 sampler's log-probs differ from the bf16
+    trainer's by the bf16 drift, which lands in the logged IS weight, not in the ratio."""
+    import jax
+
+    trainer, batches = setup
+    cfg = _with(
+        _with_trainer(trainer.cfg, is_correction="tis", is_cap=2.0), "model", dtype="bfloat16"
+    )
+    learner = Learner(cfg, trainer.prompt_len, fused=False)
+    params, opt = learner.init_state(trainer._base_params())
+    before = jax.tree.map(np.asarray, params)
+    params, opt, m = learner.step(params, opt, None, learner.inputs(batches["float32"]))
+    leaves = jax.tree.leaves(params) + [
+        x for x in jax.tree.leaves(opt) if np.ndim(x) > 0
+    ]  # the moments; not the step counters
+    assert {str(x.dtype) for x in leaves} == {"float32"}
+    changed = jax.tree.map(lambda a, b: bool(np.any(a != np.asarray(b))), before, params)
+    assert any(jax.tree.leaves(changed))
+    assert m["ratio_mean"] == m["ratio_max"] == m["ratio_min"] == 1.0
+    assert m["logprob_absdiff_max"] > 1e-3  # bf16 compute is visibly off float32
+    assert m["is_ratio_max"] > 1.0 + 1e-3 or m["is_ratio_min"] < 1.0 - 1e-3
