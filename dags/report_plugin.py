@@ -30,9 +30,11 @@ from fastapi import Depends, FastAPI, HTTPException, Response
 from fastapi.responses import HTMLResponse
 
 URL_PREFIX = "/rlax-report"
-# The task whose XCom return value is the run's URL, in rlax_rl_training and rlax_retraining.
+# The DAGs that make an RLAX run, and their task whose XCom return value is its URL. (The
+# tab shows on every DAG's runs: Airflow has no per-DAG external views.)
+RUN_DAGS = ("rlax_rl_training", "rlax_retraining")
 RUN_URL_TASK = "curate"
-PLOT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}\.png$")
+PLOT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\.png")  # whole names only (fullmatch)
 
 app = FastAPI(title="RLAX run report", docs_url=None, redoc_url=None, openapi_url=None)
 can_read_runs = [Depends(requires_access_dag("GET", DagAccessEntity.RUN))]
@@ -42,6 +44,8 @@ def run_url_of(session: Any, dag_id: str, run_id: str) -> str | None:
     """The RLAX run URL that DAG run `run_id` of `dag_id` works on, or None."""
     from airflow.models.xcom import XComModel
 
+    if dag_id not in RUN_DAGS:
+        return None
     query = XComModel.get_many(
         run_id=run_id,
         dag_ids=dag_id,
@@ -64,9 +68,9 @@ def report_page(dag_id: str, run_id: str, session: SessionDep) -> HTMLResponse:
         return HTMLResponse(
             report_html(
                 None,
-                f"DAG run {run_id} of {dag_id} has no RLAX run (yet): its `{RUN_URL_TASK}` "
-                "task creates the run and names it; this tab shows the run's report once "
-                "the `report` task has written it.",
+                f"DAG run {run_id} of {dag_id} has no RLAX run (yet). In "
+                f"{' and '.join(RUN_DAGS)} the `{RUN_URL_TASK}` task creates the run; this "
+                "tab shows its report once the `report` task has written it.",
             )
         )
     store = open_store(url)
@@ -87,7 +91,7 @@ def report_plot(dag_id: str, run_id: str, name: str, session: SessionDep) -> Res
     from pipeline.run import REPORT_PREFIX
     from pipeline.storage import open_store
 
-    if not PLOT_NAME.match(name):
+    if not PLOT_NAME.fullmatch(name):
         raise HTTPException(404, f"{html.escape(name)}: only the report's .png plots are served")
     url = run_url_of(session, dag_id, run_id)
     key = f"{REPORT_PREFIX}/{name}"
