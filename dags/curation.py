@@ -33,6 +33,7 @@ _GLOBS = {"type": "string", "minLength": 1}
     schedule=None,
     start_date=datetime(2026, 1, 1),
     catchup=False,
+    is_paused_upon_creation=False,  # triggered only: unpaused, nothing runs unasked
     tags=["rlax", "data", "beam"],
     doc_md=__doc__,
     default_args=DEFAULT_ARGS,
@@ -53,8 +54,8 @@ _GLOBS = {"type": "string", "minLength": 1}
         "format": Param("auto", enum=["auto", "jsonl", "parquet", "csv"], title="--format"),
         "schema": Param("auto", enum=list(SOURCE_SCHEMAS), title="--schema"),
         "eval_sets": Param(
-            [],
-            type="array",
+            None,
+            type=["null", "array"],
             items=_GLOBS,
             title="--eval-sets",
             description="Evaluation sets to decontaminate against (one set per file).",
@@ -64,8 +65,8 @@ _GLOBS = {"type": "string", "minLength": 1}
             0.8, type="number", exclusiveMinimum=0, exclusiveMaximum=1, title="--near-dup-threshold"
         ),
         "pass_rates": Param(
-            [],
-            type="array",
+            None,
+            type=["null", "array"],
             items=_GLOBS,
             title="--pass-rates",
             description="Pass-rate Parquet files (`rlax pass-rates`) for the difficulty band.",
@@ -83,8 +84,8 @@ _GLOBS = {"type": "string", "minLength": 1}
         "staging": Param(None, type=["null", "string"], title="--staging"),
         "overwrite": Param(False, type="boolean", title="--overwrite"),
         "beam_args": Param(
-            [],
-            type="array",
+            None,
+            type=["null", "array"],
             items={"type": "string"},
             title="Beam options",
             description="Passed through, e.g. --runner=DataflowRunner --project=P --region=R.",
@@ -121,10 +122,10 @@ def rlax_curation():
         cmd = curate_command(
             p["input"],
             output,
-            eval_sets=p["eval_sets"],
-            pass_rates=p["pass_rates"],
+            eval_sets=p["eval_sets"] or [],
+            pass_rates=p["pass_rates"] or [],
             options=options,
-            beam_args=p["beam_args"],
+            beam_args=p["beam_args"] or [],
         )
         try:
             run_command(cmd, name="curate")

@@ -52,6 +52,27 @@ STORAGE_ROOT_PATTERN = (
     r"(/[A-Za-z0-9._-]+)*)/?$"
 )
 CONFIG_FILE_PATTERN = rf"^{NO_DOTDOT}[A-Za-z0-9_][A-Za-z0-9._/-]*\.ya?ml$"
+# A local path or glob, or a gs:// URL: one token (the form's textbox takes stray spaces
+# and line breaks silently; a path never needs them here).
+PATH_PATTERN = r"^\S+$"
+OVERRIDE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*=.*$"
+
+# What the form shows next to each pattern: Airflow's form checks a pattern only when
+# the run is triggered and then answers with the raw JSON schema, so the rule is spelled
+# out beside the field.
+RUN_ID_RULE = "letters, digits, '.', '_' and '-', starting with a letter or digit, at most 128"
+STORAGE_ROOT_RULE = "a directory (relative to the project, or absolute) or gs://bucket/prefix"
+CONFIG_FILE_RULE = "a .yaml file inside the project, e.g. configs/tiny.yaml"
+# The label of the empty choice of a dropdown (the JSON schema must list null among the
+# choices for the API to accept it; `values_display` shows it by this name, not "null").
+FROM_CONFIG = "(the config file's)"
+
+
+def shipped_configs() -> list[str]:
+    """The project's config files, relative to it: the form's suggestions."""
+    return sorted(
+        str(p.relative_to(PROJECT_ROOT)) for p in (PROJECT_ROOT / "configs").glob("*.yaml")
+    )
 
 
 def check_path_param(name: str, value: str, pattern: str, allowed: str) -> str:
@@ -83,7 +104,11 @@ def run_url_for(params: Mapping[str, Any], dag_run_id: str) -> str:
 
 
 def rl_params() -> dict[str, Any]:
-    """Params of `rlax_rl_training` (the trigger form). Null means: the config file's value."""
+    """Params of `rlax_rl_training` (the trigger form). Null means: the config file's value.
+
+    Every Param either has a usable default or allows null (`["null", ...]` types): Airflow's
+    form stars a field whose type excludes null and keeps Trigger disabled while it is
+    empty, so a form left at its defaults submits (the demo run)."""
     from airflow.sdk import Param
 
     def opt_int(title: str, description: str, minimum: int, maximum: int, section: str):
@@ -91,7 +116,7 @@ def rl_params() -> dict[str, Any]:
             None,
             type=["null", "integer"],
             title=title,
-            description=description + " Empty: the config file's value.",
+            description=f"{description} {minimum} to {maximum:,}. Empty: the config file's value.",
             minimum=minimum,
             maximum=maximum,
             section=section,
@@ -102,28 +127,39 @@ def rl_params() -> dict[str, Any]:
             None,
             type=["null", "string"],
             title=title,
-            description=description + " Empty: the config file's.",
+            description=f"{description} Empty: the config file's.",
             enum=[None, *choices],
+            values_display={"null": FROM_CONFIG},
+            section=section,
+        )
+
+    def opt_path(title: str, description: str, section: str):
+        return Param(
+            None,
+            type=["null", "string"],
+            title=title,
+            description=description,
+            pattern=PATH_PATTERN,
             section=section,
         )
 
     return {
         "run_id": Param(
-            "",
-            type="string",
+            None,
+            type=["null", "string"],
             title="Run id",
-            description="Name of the run under the storage root (letters, digits, . _ -; no "
-            "'..'). Empty: airflow-<dag run id>. Re-using an id resumes that run (it must "
-            "have the same config).",
+            description=f"Name of the run under the storage root: {RUN_ID_RULE}. Empty: "
+            "airflow-<dag run id>. Re-using an id resumes that run (it must have the same "
+            "config).",
             pattern=RUN_ID_PATTERN,
+            maxLength=128,
             section="Run",
         ),
         "storage_root": Param(
             "runs",
             type="string",
             title="Storage root",
-            description="Where runs live: a directory (relative to the project) or "
-            "gs://bucket/prefix (no '..' segments).",
+            description=f"Where runs live: {STORAGE_ROOT_RULE}; no '..' segments.",
             minLength=1,
             pattern=STORAGE_ROOT_PATTERN,
             section="Run",
@@ -132,9 +168,10 @@ def rl_params() -> dict[str, Any]:
             "configs/demo.yaml",
             type="string",
             title="Config file",
-            description="Run config YAML, relative to the project (no '..'); the fields below "
-            "override it.",
-            examples=["configs/demo.yaml", "configs/tiny.yaml"],
+            description=f"Run config: {CONFIG_FILE_RULE} (no '..'); the fields below "
+            "override it. configs/demo.yaml is the ~10-minute demo, configs/tiny.yaml a "
+            "2-minute smoke run.",
+            examples=shipped_configs(),
             minLength=1,
             pattern=CONFIG_FILE_PATTERN,
             section="Run",
@@ -150,54 +187,50 @@ def rl_params() -> dict[str, Any]:
             uniqueItems=True,
             section="Data",
         ),
-        "source_data": Param(
-            None,
-            type=["null", "string"],
-            title="Source data (glob)",
-            description="Raw problem files (local or gs:// glob) to curate with the Beam job "
-            "`python -m beam_jobs.curate`; its train/validation splits become the run's "
-            "data. Empty: synthetic problems from the config's task mix.",
-            section="Data",
+        "source_data": opt_path(
+            "Source data (glob)",
+            "Raw problem files (a local path or glob, or gs://...; no spaces) to curate with "
+            "the Beam job `python -m beam_jobs.curate`; its train/validation splits become "
+            "the run's data. Empty: synthetic problems from the config's task mix.",
+            "Data",
         ),
         "model_preset": opt_choice("Model preset", "Named model size.", MODEL_PRESETS, "Model"),
-        "hf_checkpoint": Param(
-            None,
-            type=["null", "string"],
-            title="HF checkpoint path",
-            description="Local Hugging Face checkpoint directory: imported as the base model "
+        "hf_checkpoint": opt_path(
+            "HF checkpoint path",
+            "Local Hugging Face checkpoint directory (no spaces): imported as the base model "
             "(`python -m tpu_jobs.hf import`) instead of the SFT bootstrap; the model "
-            "section is taken from it.",
-            section="Model",
+            "section is taken from it. Empty: SFT bootstrap.",
+            "Model",
         ),
         "algorithm": opt_choice("Algorithm", "RL algorithm.", ALGORITHMS, "RL"),
-        "steps": opt_int("RL steps", "Trainer steps.", 1, 10_000_000, "RL"),
+        "steps": opt_int("RL steps", "Trainer steps:", 1, 10_000_000, "RL"),
         "workers": opt_int(
             "Rollout workers",
-            f"Rollout worker tasks running next to the trainer (at most {MAX_WORKERS}).",
+            "Rollout worker tasks running next to the trainer:",
             1,
             MAX_WORKERS,
             "RL",
         ),
         "max_staleness": opt_int(
-            "Max staleness", "Policy versions a batch may lag (0: on-policy).", 0, 64, "RL"
+            "Max staleness", "Policy versions a batch may lag (0: on-policy):", 0, 64, "RL"
         ),
         "eval_k": opt_int(
-            "Eval k", "Samples per held-out problem; reports pass@1 and pass@k.", 1, 256, "Eval"
+            "Eval k", "Samples per held-out problem; reports pass@1 and pass@k:", 1, 256, "Eval"
         ),
         "eval_every": opt_int(
             "Evaluate every Nth version",
-            "Evaluate versions 0, N, 2N, ... and the last one.",
+            "Evaluate versions 0, N, 2N, ... and the last one:",
             1,
             100_000,
             "Eval",
         ),
         "overrides": Param(
-            [],
-            type="array",
+            None,
+            type=["null", "array"],
             title="Config overrides",
-            description="Dotted overrides applied last, e.g. trainer.lr=1e-4 "
-            "trainer.checkpoint_every=2.",
-            items={"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_.]*=.*$"},
+            description="Dotted overrides applied last, one per line, e.g. "
+            "trainer.lr=1e-4 or trainer.checkpoint_every=2. Empty: none.",
+            items={"type": "string", "pattern": OVERRIDE_PATTERN},
             section="Run",
         ),
     }
@@ -206,16 +239,20 @@ def rl_params() -> dict[str, Any]:
 def config_from_params(params: Mapping[str, Any], model_overrides: Sequence[str] = ()) -> RunConfig:
     """The run config: config file, then the typed Params, then model overrides taken from
     an HF checkpoint, then the free-form dotted overrides. Raises ConfigError."""
-    path = Path(
-        check_path_param(
-            "config_file",
-            params.get("config_file") or "configs/demo.yaml",
-            CONFIG_FILE_PATTERN,
-            "a .yaml file relative to the project, without '..'",
-        )
+    name = check_path_param(
+        "config_file",
+        params.get("config_file") or "configs/demo.yaml",
+        CONFIG_FILE_PATTERN,
+        "a .yaml file relative to the project, without '..'",
     )
+    path = Path(name)
     if not path.is_absolute():
         path = PROJECT_ROOT / path
+    if not path.is_file():  # the form cannot know the files: checked by the first task
+        raise ConfigError(
+            f"Param config_file={name!r}: no such file in the project; its configs: "
+            + ", ".join(shipped_configs())
+        )
     base = load_config(path)
     extra: dict[str, Any] = {
         "storage": {"root": resolve_root(params.get("storage_root") or "runs")}

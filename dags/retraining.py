@@ -30,7 +30,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, get_current_context, task
 
-from dags.params import MAX_WORKERS, SOURCE_SCHEMAS, resolve_root
+from dags.params import MAX_WORKERS, OVERRIDE_PATTERN, SOURCE_SCHEMAS, resolve_root
 from dags.stage import DEFAULT_ARGS, add_rl_stage, run_command
 from pipeline.lineage import (
     LineageError,
@@ -60,6 +60,9 @@ def _where() -> tuple[str, str, str]:
     start_date=datetime(2026, 1, 5),
     catchup=False,
     max_active_runs=1,
+    # Scheduled: a fresh Airflow must not start a training run nobody asked for (the
+    # triggered-only DAGs start unpaused; see docs/airflow.md, "Paused at creation").
+    is_paused_upon_creation=True,
     tags=["rlax", "rl", "retraining", "weekly"],
     doc_md=__doc__,
     default_args=DEFAULT_ARGS,
@@ -80,7 +83,9 @@ def _where() -> tuple[str, str, str]:
             description="New raw problems of the logical date; {ds} (YYYY-MM-DD) and "
             "{ds_nodash} are replaced by it.",
         ),
-        "source_schema": Param("auto", enum=list(SOURCE_SCHEMAS), title="Source schema"),
+        "source_schema": Param(
+            "auto", type="string", enum=list(SOURCE_SCHEMAS), title="Source schema"
+        ),
         "retrain_root": Param(
             None,
             type=["null", "string"],
@@ -111,9 +116,9 @@ def _where() -> tuple[str, str, str]:
         ),
         "eval_every": Param(5, type="integer", minimum=1, title="Evaluate every Nth version"),
         "overrides": Param(
-            [],
-            type="array",
-            items={"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_.]*=.*$"},
+            None,
+            type=["null", "array"],
+            items={"type": "string", "pattern": OVERRIDE_PATTERN},
             title="Config overrides",
             description="Dotted overrides of the child's config, e.g. trainer.lr=2e-5.",
         ),
@@ -186,7 +191,7 @@ def rlax_retraining():
         return record
 
     url = curate()
-    report = add_rl_stage(url, prepare(url), keep_report=True)
+    report = add_rl_stage(url, prepare(url), dag_id="rlax_retraining", keep_report=True)
     register_child(report)
 
 

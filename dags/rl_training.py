@@ -39,6 +39,7 @@ from pipeline import launcher
     schedule=None,
     start_date=datetime(2026, 1, 1),
     catchup=False,
+    is_paused_upon_creation=False,  # triggered only: unpaused, nothing runs unasked
     tags=["rlax", "rl", "training"],
     doc_md=__doc__,
     params=rl_params(),
@@ -94,7 +95,7 @@ def rlax_rl_training():
         return launcher.worker_ids(run.config.workers)  # the rollout workers to map over
 
     run_url = curate()
-    add_rl_stage(run_url, bootstrap(run_url))
+    add_rl_stage(run_url, bootstrap(run_url), dag_id="rlax_rl_training")
 
 
 rl_training_dag = rlax_rl_training()

@@ -133,27 +133,90 @@ def evaluate_body(run_url: str, every: int) -> str:
 
 
 def report_body(run_url: str, keep_existing: bool = False) -> str:
-    """Write the report; with `keep_existing`, a finished run's report is left as it is
-    (it is written after its evaluation, so it is complete: a re-run writes nothing)."""
+    """Write the report and log its headline table (pass@1 and pass@k per version); with
+    `keep_existing`, a finished run's report is left as it is (it is written after its
+    evaluation, so it is complete: a re-run writes nothing)."""
     from pipeline.report import REPORT_KEY
 
-    run_role("report", run_url, ("--keep-existing",) if keep_existing else (), name="report")
+    extra = ("--summary", "--keep-existing") if keep_existing else ("--summary",)
+    run_role("report", run_url, extra, name="report")
+    print(f"{TAG} the report with its plots: the Report tab of this DAG run")
     return f"{run_url}/{REPORT_KEY}"
 
 
-def add_rl_stage(run_url, ids, eval_every_param: str = "eval_every", keep_report: bool = False):
+# The run's outputs as Airflow assets: each successful task records an asset event whose
+# `extra` names the run and what it made, listed under Assets in the UI. The asset is one
+# per DAG and kind (a run's URL is known only at run time, so it travels in the event).
+OUTPUT_KINDS = ("weights", "eval", "report")
+
+
+def output_assets(dag_id: str) -> dict[str, Any]:
+    """{kind: Asset} of `dag_id`'s run outputs (the `x-` scheme: Airflow's custom URIs)."""
+    from airflow.sdk import Asset
+
+    return {
+        kind: Asset(name=f"{dag_id}.{kind}", uri=f"x-rlax://{dag_id}/{kind}", group="rlax")
+        for kind in OUTPUT_KINDS
+    }
+
+
+def output_extra(kind: str, run_url: str) -> dict[str, Any]:
+    """The asset event's `extra` for one kind of output of the run at `run_url`."""
+    import json
+
+    from pipeline.report import REPORT_KEY
+    from pipeline.run import DONE_KEY, Run
+
+    run = Run.open(run_url)
+    extra: dict[str, Any] = {"run": run_url}
+    if kind == "weights" and run.store.exists(DONE_KEY):
+        done = json.loads(run.store.read(DONE_KEY))
+        extra.update(step=done.get("step"), version=done.get("version"))
+    elif kind in ("eval", "report"):
+        evals = sorted(run.read_metrics("eval"), key=lambda e: e["version"])
+        extra["versions"] = [e["version"] for e in evals]
+        if evals and "pass@1" in evals[-1]["metrics"]:
+            extra["pass@1"] = {
+                f"v{e['version']}": round(e["metrics"]["pass@1"]["mean"], 4)
+                for e in (evals[0], evals[-1])
+                if "pass@1" in e["metrics"]
+            }
+        if kind == "report":
+            extra["report"] = run.store.url_of(REPORT_KEY)
+    return extra
+
+
+def record_output(asset: Any, kind: str, run_url: str) -> None:
+    """Attach `output_extra` to this task's event for `asset` (written when it succeeds)."""
+    from airflow.sdk import get_current_context
+
+    get_current_context()["outlet_events"][asset].extra = output_extra(kind, run_url)
+
+
+def add_rl_stage(
+    run_url,
+    ids,
+    dag_id: str,
+    eval_every_param: str = "eval_every",
+    keep_report: bool = False,
+):
     """Add train + rollout_worker[ids] (concurrent) >> evaluate >> report to the current DAG.
 
     `run_url` is an XComArg (str); `ids` the XComArg of the task that makes the run ready
     for training (it returns the worker ids to map over), so train starts after it.
+    `dag_id` names the run-output assets (`output_assets`) the tasks record events for.
     Returns the report task's XComArg (the report's URL).
     """
     from airflow.sdk import get_current_context, task
 
-    @task(task_id="train")
+    assets = output_assets(dag_id)
+
+    @task(task_id="train", outlets=[assets["weights"]])
     def train(run_url: str) -> str:
         """The RL trainer; waits for its process. A retry resumes from its checkpoint."""
-        return train_body(run_url)
+        out = train_body(run_url)
+        record_output(assets["weights"], "weights", run_url)
+        return out
 
     @task(task_id="rollout_worker", map_index_template="{{ worker_id }}")
     def rollout_worker(run_url: str, worker_id: str) -> str:
@@ -161,13 +224,15 @@ def add_rl_stage(run_url, ids, eval_every_param: str = "eval_every", keep_report
         get_current_context()["worker_id"] = worker_id  # type: ignore[typeddict-unknown-key]
         return rollout_body(run_url, worker_id)
 
-    @task(task_id="evaluate")
+    @task(task_id="evaluate", outlets=[assets["eval"]])
     def evaluate(run_url: str) -> str:
         """Held-out evaluation of every published version (`--version all`)."""
         from pipeline.run import Run
 
         every = get_current_context()["params"].get(eval_every_param)
-        return evaluate_body(run_url, int(every or Run.open(run_url).config.eval.every))
+        out = evaluate_body(run_url, int(every or Run.open(run_url).config.eval.every))
+        record_output(assets["eval"], "eval", run_url)
+        return out
 
     @task(task_id="orm")
     def orm(run_url: str) -> str:
@@ -181,10 +246,12 @@ def add_rl_stage(run_url, ids, eval_every_param: str = "eval_every", keep_report
             print("[airflow] eval.orm is off: no ORM baseline")
         return run_url
 
-    @task(task_id="report")
+    @task(task_id="report", outlets=[assets["report"]])
     def report(run_url: str) -> str:
-        """report/report.md and report/curves.png of the run."""
-        return report_body(run_url, keep_existing=keep_report)
+        """report/report.md and its plots; logs the headline table (pass@1, pass@k)."""
+        out = report_body(run_url, keep_existing=keep_report)
+        record_output(assets["report"], "report", run_url)
+        return out
 
     trained = train(run_url)
     ids >> trained

@@ -113,7 +113,9 @@ def airflow_env(
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             # One worker process per slot (~60 MB each): the default 32 costs ~1.8 GB.
             "AIRFLOW__CORE__PARALLELISM": str(parallelism),
-            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            # Airflow's default, said here: a DAG the user did not ask to run waits for them
+            # (the triggered-only RLAX DAGs unpause themselves: `is_paused_upon_creation`).
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN}:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / PASSWORDS_FILE),
             "AIRFLOW__API__HOST": "127.0.0.1",
@@ -465,9 +467,13 @@ def serve(home: Path = DEFAULT_HOME, port: int = 8080, parallelism: int = 8) -> 
     print(f"starting Airflow (AIRFLOW_HOME={Path(home).resolve()}); log: {af.log_path}")
     try:
         af.start()
+        # The password on the user's own terminal (as `airflow standalone` prints it):
+        # a first-time user copies it from here instead of looking for the file.
         print(
-            f"\nAirflow UI: {af.url}\nuser: {ADMIN}, password in {af.password_file}\n"
-            f"DAGs: {DAGS_FOLDER}\nCtrl-C stops it.",
+            f"\nAirflow UI: {af.url}\nuser: {ADMIN}  password: {af.password}  "
+            f"(kept in {af.password_file})\n"
+            f"Trigger rlax_rl_training (DAGs -> rlax_rl_training -> Trigger); each run's "
+            f"report is its Report tab.\nDAGs: {DAGS_FOLDER}\nCtrl-C stops it.",
             flush=True,
         )
         while af.proc is not None and af.proc.poll() is None:

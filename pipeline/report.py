@@ -489,6 +489,65 @@ def _refresh_tensorboard(run: Run) -> None:
         print(f"[report] TensorBoard export skipped: {err}")
 
 
+def headline(evals: list[dict[str, Any]]) -> str:
+    """The run's result in a few lines: pass@1 and pass@k (the largest k evaluated) per
+    evaluated version, with 95% intervals, and the change from the first to the last
+    version in points. For the log of the `report` task (the full report is report.md)."""
+    if not evals:
+        return "No version has been evaluated yet."
+    evals = sorted(evals, key=lambda e: e["version"])
+    ks = sorted(
+        {
+            int(n[5:])
+            for e in evals
+            for n in e["metrics"]
+            if n[5:].isdigit() and n.startswith("pass@")
+        }
+    )
+    names = [f"pass@{k}" for k in dict.fromkeys([1, ks[-1]] if ks else [1])]
+    rows = [["version", *names]]
+    rows += [[f"v{e['version']}", *(_fmt(e["metrics"].get(n)) for n in names)] for e in evals]
+    first, last = evals[0], evals[-1]
+    change = []
+    for n in names:
+        if n in first["metrics"] and n in last["metrics"]:
+            d = last["metrics"][n]["mean"] - first["metrics"][n]["mean"]
+            change.append(f"{d * 100:+.1f} points")
+        else:
+            change.append("–")
+    rows.append([f"v{first['version']} -> v{last['version']}", *change])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(names) + 1)]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# The page of the report in the Airflow UI (dags/report_plugin.py): plain HTML, the plots
+# by relative URL (the page's URL ends with "/"), styled for an iframe inside the UI.
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>RLAX run report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 1rem 1.5rem; color: #1a202c; }}
+table {{ border-collapse: collapse; margin: 0.5rem 0; font-size: 0.85rem; }}
+th, td {{ border: 1px solid #cbd5e0; padding: 0.2rem 0.5rem; text-align: left; }}
+th {{ background: #edf2f7; }}
+img {{ max-width: 100%; border: 1px solid #e2e8f0; }}
+code {{ background: #edf2f7; padding: 0 0.2rem; }}
+.note {{ color: #4a5568; }}
+</style></head>
+<body><div class="note">{note}</div>{body}</body></html>
+"""
+
+
+def report_html(markdown: str | None, note: str) -> str:
+    """A report (markdown, or None) and a note above it as one HTML page. Raw HTML in
+    the markdown is escaped, not rendered (CommonMark with html off, plus tables)."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark", {"html": False}).enable("table")
+    return PAGE.format(note=md.render(note), body=md.render(markdown) if markdown else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -503,14 +562,24 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave a finished run's report as it is (it was written after its evaluation)",
     )
+    parser.add_argument(
+        "--summary",
+        action="store_true",
+        help="print the headline table (pass@1, pass@k per version) instead of the report",
+    )
     args = parser.parse_args(argv)
     run = Run.open(args.run)
     where = run.store.url_of(REPORT_KEY)
     if args.keep_existing and run.store.exists(DONE_KEY) and run.store.exists(REPORT_KEY):
         print(f"[report] already written: {where}")
-        return 0
-    print(build_report(run), flush=True)
-    print(f"[report] {where}")
+    else:
+        md = build_report(run)
+        if not args.summary:
+            print(md, flush=True)
+        print(f"[report] {where}")
+    if args.summary:
+        evals = run.read_metrics("eval")
+        print(f"[report] held-out evaluation (95% intervals):\n{headline(evals)}", flush=True)
     return 0
 
 

@@ -87,6 +87,33 @@ def test_retraining_is_weekly_and_one_date_at_a_time(dagbag):
     assert dag.schedule == "0 3 * * 1"  # weekly, Mondays 03:00 UTC
 
 
+def test_only_the_scheduled_dag_starts_paused(dagbag):
+    """A fresh Airflow runs nothing unasked: the scheduled DAG waits for the user to
+    unpause it; the triggered-only ones are ready for the trigger form."""
+    for dag_id in DAG_IDS:
+        dag = dagbag.dags[dag_id]
+        assert dag.is_paused_upon_creation is (dag.schedule is not None), dag_id
+
+
+@pytest.mark.parametrize("dag_id", ["rlax_rl_training", "rlax_retraining"])
+def test_run_outputs_are_assets(dagbag, dag_id):
+    tasks = dagbag.dags[dag_id].task_dict
+    for task_id, kind in (("train", "weights"), ("evaluate", "eval"), ("report", "report")):
+        (asset,) = tasks[task_id].outlets
+        assert asset.name == f"{dag_id}.{kind}" and asset.uri == f"x-rlax://{dag_id}/{kind}"
+
+
+def test_every_default_of_every_dag_validates(dagbag):
+    """A trigger that changes nothing passes the API's validation (the trigger form's
+    defaults); rlax_curation's input and output have no default on purpose."""
+    assert _validate(dagbag.dags["rlax_rl_training"])["config_file"] == "configs/demo.yaml"
+    assert _validate(dagbag.dags["rlax_retraining"])["overrides"] is None
+    assert (
+        _validate(dagbag.dags["rlax_curation"], input=["x.jsonl"], output="out")["beam_args"]
+        is None
+    )
+
+
 def _validate(dag, **conf):
     """What the API does with a trigger's conf: the DAG's Params updated, then validated."""
     params = copy.deepcopy(dag.params)

@@ -61,8 +61,14 @@ def test_config_from_params_applies_each_param(two_families):
 def test_config_from_params_refuses_bad_values():
     with pytest.raises(ConfigError, match="trainer.lr"):
         config_from_params({**TINY, "overrides": ["trainer.lr=-1"]})
-    with pytest.raises(ConfigError, match="does not exist"):
+    # The form cannot know which files exist: the first task refuses it, in one line
+    # that names the Param and the project's configs.
+    with pytest.raises(ConfigError, match="config_file='configs/nope.yaml': no such file") as err:
         config_from_params({**TINY, "config_file": "configs/nope.yaml"})
+    assert "\n" not in str(err.value) and "configs/tiny.yaml" in str(err.value)
+    with pytest.raises(ConfigError, match="trainer.nope") as err:
+        config_from_params({**TINY, "overrides": ["trainer.nope=1"]})
+    assert "\n" not in str(err.value)
 
 
 def test_run_urls():
@@ -84,3 +90,83 @@ def test_the_dags_schema_choices_are_the_curation_jobs():
     from dags.params import SOURCE_SCHEMAS
 
     assert list(SOURCE_SCHEMAS) == ["auto", *SCHEMAS]
+
+
+def _form_required(schema: dict) -> bool:
+    """Airflow's trigger form stars a field, and keeps Trigger disabled while it is empty,
+    when its JSON-schema type does not include null (the UI's rule, airflow/ui)."""
+    types = schema.get("type")
+    return bool(types) and not (isinstance(types, list) and "null" in types)
+
+
+def test_every_default_submits_and_makes_the_demo_config():
+    """The form left as it is: every starred field has a value, the defaults validate as
+    the API validates a trigger, and they make configs/demo.yaml's run."""
+    from airflow.sdk.definitions.param import ParamsDict
+
+    params = rl_params()
+    for name, param in params.items():
+        if _form_required(param.schema):
+            assert param.value not in (None, "", []), f"{name} is starred and empty"
+    resolved = ParamsDict(params).validate()  # raises as the API's 400 would
+    assert resolved["run_id"] is None and resolved["overrides"] is None
+    cfg = config_from_params(resolved)
+    demo = load_config(ROOT / "configs/demo.yaml")
+    assert cfg.trainer == demo.trainer and cfg.model == demo.model and cfg.eval == demo.eval
+    assert run_url_for(resolved, "manual__x").endswith("/runs/airflow-manual__x")
+
+
+def test_dropdowns_label_the_empty_choice_and_bounds_are_declared():
+    params = rl_params()
+    for name in ("model_preset", "algorithm"):
+        schema = params[name].schema
+        assert schema["enum"][0] is None and None not in schema["enum"][1:], name
+        # The form shows values_display["null"] for the empty choice, not "null".
+        assert schema["values_display"]["null"] == "(the config file's)", name
+    for name in ("steps", "workers", "max_staleness", "eval_k", "eval_every"):
+        schema = params[name].schema
+        assert schema["minimum"] <= schema["maximum"], name
+        assert f"{schema['minimum']} to {schema['maximum']:,}" in params[name].description
+    assert params["workers"].schema["maximum"] == 16
+    for name in ("run_id", "storage_root", "config_file", "source_data", "hf_checkpoint"):
+        assert params[name].schema["pattern"], name
+    assert "configs/tiny.yaml" in params["config_file"].schema["examples"]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "ok"),
+    [
+        ("run_id", None, True),
+        ("run_id", "", True),
+        ("run_id", "my-run_1.2", True),
+        ("run_id", "my run", False),
+        ("run_id", "-x", False),
+        ("run_id", "a" * 129, False),
+        ("workers", 16, True),
+        ("workers", 17, False),
+        ("workers", 0, False),
+        ("max_staleness", 0, True),
+        ("eval_every", 0, False),
+        ("model_preset", None, True),
+        ("model_preset", "tiny", True),
+        ("model_preset", "null", False),
+        ("algorithm", "grpo", True),
+        ("source_data", "data/x y.jsonl", False),
+        ("source_data", "gs://b/p/*.jsonl", True),
+        ("hf_checkpoint", None, True),
+        ("overrides", None, True),
+        ("overrides", ["trainer.lr=1e-4"], True),
+        ("overrides", ["lr 1e-4"], False),
+        ("config_file", "configs/tiny.yaml", True),
+        ("config_file", "configs/tiny.json", False),
+    ],
+)
+def test_one_param_against_its_schema(name, value, ok):
+    from airflow.sdk.definitions.param import ParamValidationError
+
+    param = rl_params()[name]
+    if ok:
+        assert param.resolve(value) == value
+    else:
+        with pytest.raises(ParamValidationError):
+            param.resolve(value)

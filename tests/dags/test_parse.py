@@ -54,7 +54,9 @@ for path in files:
 
 
 def test_dag_files_parse_under_2s_without_heavy_imports():
-    files = sorted(str(p) for p in DAGS.glob("*.py") if p.name not in ("__init__.py",))
+    # report_plugin.py is the API server's (an Airflow plugin), never parsed for DAGs.
+    skip = ("__init__.py", "report_plugin.py")
+    files = sorted(str(p) for p in DAGS.glob("*.py") if p.name not in skip)
     dag_files = [f for f in files if not f.endswith(("params.py", "stage.py"))]
     assert len(dag_files) == 3
     out = subprocess.run(
@@ -78,4 +80,4 @@ def test_dag_files_parse_under_2s_without_heavy_imports():
 
 def test_helper_modules_are_ignored_by_the_dag_processor():
     ignored = (DAGS / ".airflowignore").read_text().split()
-    assert {"params.py", "stage.py"} <= set(ignored)
+    assert {"params.py", "stage.py", "report_plugin.py"} <= set(ignored)
