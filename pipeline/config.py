@@ -83,8 +83,9 @@ class ModelConfig:
     # einsums over blocks of attention_chunk queries, each recomputed in the backward
     # pass: one block's probabilities at a time; any platform), or
     # jax.nn.dot_product_attention with implementation "xla", "cudnn" (GPU flash attention,
-    # bf16/fp16 compute: docs/scaling.md) or "auto" (JAX picks). Same numbers within float
-    # tolerance.
+    # bf16/fp16 compute: docs/scaling.md) or "auto" (JAX picks), or "splash" (the Pallas
+    # splash attention kernel of TPUs; sequence lengths a multiple of 128; off TPU it runs
+    # interpreted, for tests only). Same numbers within float tolerance.
     attention: str = "dense"
     attention_chunk: int = 512
     # Text <-> ids for every role: "char" (pipeline.tokenizer.CharTokenizer: the synthetic
@@ -134,7 +135,11 @@ class ModelConfig:
         _check(isinstance(self.qk_norm, bool), "model.qk_norm", self.qk_norm, "true or false")
         _one_of("model.dtype", self.dtype, ("float32", "bfloat16"))
         _one_of("model.remat", self.remat, ("none", "full", "dots"))
-        _one_of("model.attention", self.attention, ("dense", "chunked", "xla", "cudnn", "auto"))
+        _one_of(
+            "model.attention",
+            self.attention,
+            ("dense", "chunked", "xla", "cudnn", "auto", "splash"),
+        )
         _check(
             self.attention_chunk > 0, "model.attention_chunk", self.attention_chunk, "> 0 queries"
         )

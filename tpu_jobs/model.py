@@ -208,9 +208,12 @@ class Attention(nnx.Module):
         sin: jax.Array,
         visible: jax.Array,
         cache_kv: tuple[jax.Array, jax.Array, int, jax.Array] | None,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """visible: [B, T, S] bool. cache_kv: (k_all, v_all, layer, slot) or None; layer is
-        None for a per-layer cache (k_all, v_all: this layer's arrays, see KVCache)."""
+        None for a per-layer cache (k_all, v_all: this layer's arrays, see KVCache).
+        segments: [B, T] int, the same visibility as segment ids (without a cache: query
+        i sees key j iff j <= i and their ids are equal), for kernels that take those."""
         b, t, _ = x.shape
         nkv, hd = self.num_kv_heads, self.head_dim
         heads = ("batch", None, "heads", None)
@@ -218,7 +221,7 @@ class Attention(nnx.Module):
         k = constrain(self.k_proj(x).reshape(b, t, nkv, hd), *heads)
         v = constrain(self.v_proj(x).reshape(b, t, nkv, hd), *heads)
         q, k = self.norm_rope(q, k, cos, sin)
-        out, new_cache = self.attend(q, k, v, visible, cache_kv)
+        out, new_cache = self.attend(q, k, v, visible, cache_kv, segments)
         out = constrain(out, "batch", None, "heads")
         return constrain(self.o_proj(out), "batch", None, None), new_cache
 
@@ -235,6 +238,7 @@ class Attention(nnx.Module):
         v: jax.Array,
         visible: jax.Array,
         cache_kv: tuple[jax.Array, jax.Array, int, jax.Array] | None,
+        segments: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """Attention of post-RoPE q [B, T, heads, hd] over k, v [B, T, kv, hd] (and the
         cache, which gets them written at `slot`): (output [B, T, heads*hd] before o_proj,
@@ -255,7 +259,7 @@ class Attention(nnx.Module):
         q = q.reshape(b, t, nkv, g, hd)
         # With a cache (the sampler's prefill over a shared cache) always the dense path.
         attend = ATTENTION["dense" if cache_kv is not None else self.attention]
-        out = attend(q, k, v, visible, self.attention_chunk)
+        out = attend(q, k, v, visible, self.attention_chunk, segments)
         return out.reshape(b, t, self.num_heads * hd), new_cache
 
     def _attend_per_layer(self, q, k, v, visible, k_cache, v_cache, slot):
@@ -341,7 +345,7 @@ def _backend_attention(implementation: str | None):
     """`jax.nn.dot_product_attention` with `implementation` as an `ATTENTION` function:
     with "cudnn", flash attention that never stores the [B, heads, T, S] probabilities."""
 
-    def attend(q, k, v, visible, chunk: int) -> jax.Array:
+    def attend(q, k, v, visible, chunk: int, segments=None) -> jax.Array:
         b, t, nkv, g, hd = q.shape
         out = jax.nn.dot_product_attention(
             q.reshape(b, t, nkv * g, hd), k, v, mask=visible[:, None],
@@ -352,15 +356,60 @@ def _backend_attention(implementation: str | None):
     return attend
 
 
+def _splash_attention(q, k, v, visible, chunk: int, segments=None) -> jax.Array:
+    """The Pallas splash (flash) attention kernel of TPUs
+    (`jax.experimental.pallas.ops.tpu.splash_attention`): a causal mask and-ed with
+    segment ids, blockwise, never storing [T, S] probabilities in HBM. One MQA kernel per
+    KV head serves its group of query heads (GQA without repeating K and V). Off TPU it
+    runs in Pallas's interpret mode: the same kernel, slowly, for tests on CPU.
+
+    Sequence lengths must be multiples of 128 (the kernel's blocks); `segments` [B, T]
+    (the key mask, or packed rows' segment ids) carries the padding."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    b, t, nkv, g, hd = q.shape
+    if segments is None or k.shape[1] != t:
+        raise ValueError("model.attention=splash is for self-attention without a cache")
+    block = next((n for n in (512, 256, 128) if t % n == 0), None)
+    if block is None:
+        raise ValueError(
+            f"model.attention=splash needs a sequence length that is a multiple of 128; got "
+            f"{t} (prompt + completion): pad it, or use attention=chunked"
+        )
+    sizes = splash.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+    )  # fmt: skip
+    kernel = splash.make_splash_mqa_single_device(
+        splash.MultiHeadMask([splash.CausalMask((t, t))] * g),
+        block_sizes=sizes,
+        interpret=jax.default_backend() != "tpu",
+    )
+    scale = 1.0 / math.sqrt(hd)  # the kernel takes scaled queries
+    qh = (q * scale).transpose(0, 2, 3, 1, 4)  # [B, kv, g, T, hd]
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, kv, T, hd]
+
+    def one(qg, kg, vg, seg):  # one row, one KV head: q [g, T, hd], k, v [T, hd]
+        return kernel(qg, kg, vg, segment_ids=splash.SegmentIds(q=seg, kv=seg))
+
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
+    out = jax.vmap(per_head)(qh, kh, vh, segments.astype(jnp.int32))  # [B, kv, g, T, hd]
+    return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)
+
+
 # model.attention -> attention without a cache (training forwards, scoring): q
-# [B, T, kv, g, hd] over k, v [B, S, kv, hd], visible [B, T, S] bool, model.attention_chunk
-# -> [B, T, kv, g, hd]. The one place a platform's kernel (Pallas splash on TPU) slots in.
+# [B, T, kv, g, hd] over k, v [B, S, kv, hd], visible [B, T, S] bool, model.attention_chunk,
+# segments [B, T] int (the same visibility as segment ids) -> [B, T, kv, g, hd]. The one
+# place a platform's kernel slots in.
 ATTENTION: dict[str, Callable[..., jax.Array]] = {
-    "dense": lambda q, k, v, visible, chunk: _dense_attention(q, k, v, visible),
-    "chunked": _query_chunked_attention,
+    "dense": lambda q, k, v, visible, chunk, segments=None: _dense_attention(q, k, v, visible),
+    "chunked": lambda q, k, v, visible, chunk, segments=None: _query_chunked_attention(
+        q, k, v, visible, chunk
+    ),
     "xla": _backend_attention("xla"),
     "cudnn": _backend_attention("cudnn"),
     "auto": _backend_attention(None),
+    "splash": _splash_attention,
 }
 
 
@@ -385,8 +434,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, cos, sin, visible, cache_kv):
-        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, visible, cache_kv)
+    def __call__(self, x, cos, sin, visible, cache_kv, segments=None):
+        attn, new_cache = self.self_attn(
+            self.input_layernorm(x), cos, sin, visible, cache_kv, segments
+        )
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_cache
@@ -475,6 +526,11 @@ class Transformer(nnx.Module):
             visible = segment_visible(segments)
         else:
             visible = visible_keys(key_mask, slot, t)
+        # The same visibility as segment ids, for kernels that take those (splash): the
+        # packed rows' ids, or the key mask (pads are segment 0 and see only pads).
+        key_segments = None
+        if cache is None:
+            key_segments = segments if segments is not None else mask
         if cache is not None and isinstance(cache_index, int):
             # A slot known at trace time (the sampler's prefill from 0): no key beyond
             # cache_index + T is visible, so attention reads only those slots.
@@ -486,7 +542,9 @@ class Transformer(nnx.Module):
             if cache.per_layer:
                 k_all, v_all = list(k_all), list(v_all)
         if cache is None and self.cfg.remat in REMAT:
-            x = _remat_layers(self.layers, x, cos, sin, visible, REMAT[self.cfg.remat])
+            x = _remat_layers(
+                self.layers, x, cos, sin, visible, REMAT[self.cfg.remat], key_segments
+            )
             return self.norm(x), None
         for i, layer in enumerate(self.layers):
             if cache is None:
@@ -495,7 +553,7 @@ class Transformer(nnx.Module):
                 cache_kv = (k_all[i], v_all[i], None, slot)
             else:
                 cache_kv = (k_all, v_all, i, slot)
-            x, new_kv = layer(x, cos, sin, visible, cache_kv)
+            x, new_kv = layer(x, cos, sin, visible, cache_kv, key_segments)
             if new_kv is not None and cache.per_layer:
                 k_all[i], v_all[i] = new_kv
             elif new_kv is not None:
@@ -506,7 +564,7 @@ class Transformer(nnx.Module):
         return self.norm(x), new_cache
 
 
-def _remat_layers(layers, x, cos, sin, visible, policy) -> jax.Array:
+def _remat_layers(layers, x, cos, sin, visible, policy, segments=None) -> jax.Array:
     """The decoder layers (no cache) as a `lax.scan` over their stacked weights, each step
     under `jax.checkpoint` with `policy` (`REMAT`).
 
@@ -522,7 +580,7 @@ def _remat_layers(layers, x, cos, sin, visible, policy) -> jax.Array:
     stacked = jax.tree.map(lambda *w: jnp.stack(w), first, *(nnx.split(m)[1] for m in layers[1:]))
 
     def body(h: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
-        return nnx.merge(graphdef, state)(h, cos, sin, visible, None)[0], None
+        return nnx.merge(graphdef, state)(h, cos, sin, visible, None, segments)[0], None
 
     x, _ = jax.lax.scan(jax.checkpoint(body, policy=policy), x, stacked)
     return x

@@ -259,3 +259,42 @@ def test_cudnn_attention_is_really_dispatched_and_needs_a_gpu():
     model = random_model(dataclasses.replace(TINY, attention="cudnn"), seed=0)
     with pytest.raises(RuntimeError, match="cuDNN"):
         sequence_logprobs(model, jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32))
+
+
+def test_splash_attention_equals_dense_in_values_and_gradients():
+    """model.attention="splash" (the TPU Pallas kernel, interpreted on CPU) gives the
+    dense path's log-probs and gradients: left padding through the key mask as segment
+    ids, and packed rows through their segment ids; a length off its blocks is refused."""
+    cfg = dataclasses.replace(TINY, num_heads=4, num_kv_heads=2)  # grouped queries
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 128)), jnp.int32)
+    mask = np.ones((2, 128), np.int32)
+    mask[1, :40] = 0  # left padding
+    segments = np.repeat(np.array([[1, 2, 3, 0]]), 32, axis=1).repeat(2, axis=0)  # packed
+
+    def run(c):
+        graphdef, params, rest = nnx.split(random_model(c, seed=6), nnx.Param, ...)
+
+        def f(p):
+            model = nnx.merge(graphdef, p, rest)
+            lp = sequence_logprobs(model, tokens, jnp.asarray(mask), 1.0)
+            # A row's first real token has no prefix: its "log-prob" comes from a pad
+            # query's output, which no kernel defines (dense: no key; splash: pads).
+            lp = jnp.where(jnp.asarray(np.pad(mask[:, :-1], ((0, 0), (1, 0)))) > 0, lp, 0.0)
+            pos = jnp.asarray(np.where(segments > 0, np.arange(128) % 32, 0), jnp.int32)
+            seg = jnp.asarray(segments, jnp.int32)
+            h, _ = model.hidden(tokens, pos, (seg > 0).astype(jnp.int32), segments=seg)
+            packed = jnp.where(seg[..., None] > 0, h, 0.0)  # pad queries: undefined
+            return lp.sum() + packed.sum(), (lp, packed)
+
+        return jax.jit(jax.value_and_grad(f, has_aux=True))(params)
+
+    (_, ref), ref_g = run(cfg)
+    (_, out), g = run(dataclasses.replace(cfg, attention="splash"))
+    for a, b in zip(out, ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.abs(b).max()) + 1e-7)
+    model = random_model(dataclasses.replace(cfg, attention="splash"), seed=0)
+    with pytest.raises(ValueError, match="multiple of 128; got 100"):
+        sequence_logprobs(model, tokens[:, :100], jnp.asarray(mask[:, :100]))
