@@ -5,7 +5,8 @@
 
 Trainer: `Learner.step` (GRPO, the fused step) on random weights of a Qwen2.5 shape
 (`tpu_jobs.memory.QWEN25`), bf16 compute with float32 master weights, remat on
-(`model.remat=full`), attention by platform (cuDNN flash attention on GPU, the chunked
+(`model.remat=full`), attention by platform (cuDNN flash attention on GPU, Pallas splash
+attention on TPU (seq a multiple of 128), the chunked
 path elsewhere), a synthetic batch of `rows` x `seq` tokens. MFU = model FLOPs per second
 (PaLM's convention, as benchmarks/trainer.py: 6 N per token for the weights, 12 L T d per
 token for attention; remat's recomputation is not counted) over the chip's peak:
@@ -51,7 +52,7 @@ PEAK_BF16 = {
     "TPU v4": 275e12,
     "TPU v6 lite": 918e12,
 }
-ATTENTION = {"gpu": "cudnn"}  # else "chunked"
+ATTENTION = {"gpu": "cudnn", "tpu": "splash"}  # else "chunked"
 PROMPT = 256
 
 
