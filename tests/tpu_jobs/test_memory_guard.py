@@ -9,6 +9,10 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import load_config
+
+# Compile-only checks of large programs (~1 min in all): the `memory` lane, run by .ci/run
+# after `make test`.
+pytestmark = pytest.mark.memory
 from tpu_jobs.memory import sampler_memory, train_step_memory
 
 VOCAB = 151_936  # Qwen2.5's

@@ -402,6 +402,7 @@ print("RESULT" + json.dumps({
 """
 
 
+@pytest.mark.memory  # two compiles of a real-vocabulary step (~20 s): the memory lane
 def test_fsdp_splits_the_train_step_over_eight_devices():
     """FSDP really shards: per-device temporaries of the step on 8 devices (mesh.trainer
     = [1, 8, 1]) are at most 1.5/8 of one device's (measured 0.15; 0.52 before the
