@@ -111,6 +111,23 @@ class Snapshot:
     full_from: int | None = None
     deltas: tuple[int, ...] = ()
 
+    @classmethod
+    def of(
+        cls,
+        version: int,
+        tensors: dict[str, np.ndarray],
+        split: dict[str, int | None] | None = None,
+        parts: int = 1,
+    ) -> Snapshot:
+        """A complete snapshot of tensors in hand (e.g. what a trainer just published), cut
+        into pieces as ``publish`` cuts them: a base for the next version's delta."""
+        pieces = {}
+        for name, arr in tensors.items():
+            axis = (split or {}).get(name) if parts > 1 else None
+            for r, piece in enumerate(weight_codec.split_pieces(arr, axis, parts)):
+                pieces[(name, r)] = piece
+        return cls(version=version, tensors=dict(tensors), pieces=pieces)
+
 
 def _version_dir(version: int) -> str:
     return f"v{version:08d}"
@@ -367,10 +384,7 @@ class ParamServer:
         _dumps(metadata)  # fail early on metadata that is not JSON-serialisable
         arrays = {name: _check_array(name, arr) for name, arr in tensors.items()}
         axes = {name: (split or {}).get(name) if parts > 1 else None for name in arrays}
-        pieces: dict[tuple[str, int], np.ndarray] = {}
-        for name, arr in arrays.items():
-            for r, piece in enumerate(weight_codec.split_pieces(arr, axes[name], parts)):
-                pieces[(name, r)] = piece
+        pieces = Snapshot.of(version, arrays, split, parts).pieces
         if base is not None:
             self._check_base(version, base, pieces)
 
