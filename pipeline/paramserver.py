@@ -666,8 +666,9 @@ class ParamServer:
         deltas in between, every piece verified against its manifest's crc32c."""
         start = int(manifest["anchor"]) if have is None else have.version + 1
         chain = list(range(start, version + 1))
+        earlier = chain[:-1]  # the target's manifest is in hand
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_workers, len(chain)))) as pool:
-            manifests = dict(zip(chain, pool.map(self._read_normalized, chain), strict=True))
+            manifests = dict(zip(earlier, pool.map(self._read_normalized, earlier), strict=True))
         manifests[version] = manifest
         for v in chain if have is not None else chain[1:]:
             delta = manifests[v].get("delta")
