@@ -711,9 +711,8 @@ class Trainer:
         next step, and the next delta is taken against these."""
         dtype = self.cfg.paramserver.publish_dtype(self.cfg.sampler.dtype)
         flat = params_to_flat(self.learner.fns, policy)
-        return {
-            k: np.array(v, copy=True) for k, v in weight_codec.cast_for_publish(flat, dtype).items()
-        }
+        cast = weight_codec.cast_for_publish(flat, dtype)
+        return {k: np.array(v, copy=True) if v is flat[k] else v for k, v in cast.items()}
 
     def _layout(self, flat: dict[str, np.ndarray]) -> dict[str, Any]:
         """publish's split/parts/full_every: pieces lined up with the sampler's mesh."""

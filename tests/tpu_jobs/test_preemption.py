@@ -105,9 +105,7 @@ def test_small_chaos_run(reference, tmp_path):
     """With delta versions on (a full snapshot every 3rd version), against the reference's
     full snapshots: a trainer killed between publishes pulls its delta base back from the
     store, workers rebuild from the version they hold; the end is still bit-identical."""
-    cfg = replace(
-        reference.config, paramserver=replace(reference.config.paramserver, full_every=3)
-    )
+    cfg = replace(reference.config, paramserver=replace(reference.config.paramserver, full_every=3))
     run = clone_run(reference, str(tmp_path / "run"), cfg)
     settings = ChaosSettings(kills=4, min_interval_s=2.0, max_interval_s=5.0, seed=3, timeout_s=400)
     stats = run_with_chaos(run, settings, log=lambda m: None)
