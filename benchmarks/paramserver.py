@@ -318,15 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--deltas",
         action="store_true",
-        help="the delta-version benchmark (benchmarks/paramserver_deltas.py; its own options)",
+        help="the delta-version benchmark (benchmarks/paramserver_deltas.py: its own options)",
     )
-    args, rest = parser.parse_known_args(argv)
-    if args.deltas:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--deltas" in argv:
         from benchmarks.paramserver_deltas import main as deltas_main
 
-        return deltas_main(rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return deltas_main([a for a in argv if a != "--deltas"])
+    args = parser.parse_args(argv)
     args.loadavg = os.getloadavg()
 
     workdir = Path(tempfile.mkdtemp(prefix="ps-bench-", dir=args.dir))

@@ -936,7 +936,8 @@ class ParamServer:
             self._w.delete(key)
 
     def gc(self, keep_last: int, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
-        """Delete committed versions except the newest ``keep_last``, LATEST and ``protected``.
+        """Delete committed versions except the newest ``keep_last``, LATEST and ``protected``,
+        and the links each of those needs (its anchor's full snapshot and the deltas after it).
 
         The manifest goes first, so a half-deleted snapshot is never seen as committed. Also
         removes uncommitted leftovers (shards of crashed attempts) of versions older than the
