@@ -61,6 +61,9 @@ def rl_run(args, root: Path) -> Run:
             "workers=1",
             f"trainer.steps={args.steps}",
             "trainer.checkpoint_every=1000",
+            # On-policy: the trainer's recomputed log-probs then differ from the worker's only
+            # by the published dtype (a stale batch adds a step's policy change).
+            "trainer.max_staleness=0",
             f"trainer.entropy_coef={args.entropy_coef}",
             f"rollout.prompts_per_batch={args.prompts}",
             f"rollout.group_size={args.group}",
@@ -232,8 +235,9 @@ Command: `nice -n 5 .venv/bin/python benchmarks/paramserver.py --deltas --preset
   bfloat16: {sizes["raw_bytes"] / MIB:.1f} MiB of raw tensor bytes per version.
 - RL run: GRPO, the demo's learning rate ({meta["lr"]}) and schedule (warm-up
   {meta["warmup"]} steps, cosine), {args.prompts} prompts x {args.group} samples a step,
-  {args.max_new_tokens} new tokens, publish every step, `paramserver.full_every=
-  {args.full_every}`; trainer and one rollout worker as processes on a local run; wall
+  {args.max_new_tokens} new tokens, publish every step, on-policy (`max_staleness=0`),
+  `paramserver.full_every={args.full_every}`; trainer and one rollout worker as processes
+  on a local run; wall
   time {meta["rl_wall_s"]:.0f} s. Base: the preset's random initialisation, so every reward
   was 0 (mean reward {meta["reward_mean"]:.3f}) and GRPO's advantages vanish; the entropy
   bonus (`entropy_coef={args.entropy_coef}`) is what moved the weights. AdamW's step per
@@ -323,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         rows, sizes = version_stats(run, args.steps)
         records = run.read_metrics("train")
         keys = ("logprob_absdiff_mean", "logprob_absdiff_max", "is_ratio_mean", "is_ratio_max")
-        alignment = {k: [float(r[k]) for r in records if k in r] for k in keys}
+        on_policy = [r for r in records if r.get("staleness") == 0]
+        alignment = {k: [float(r[k]) for r in on_policy if k in r] for k in keys}
         meta = {
             "note": args.note,
             "lr": run.config.trainer.lr,
