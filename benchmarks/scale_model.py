@@ -98,7 +98,8 @@ def evaluate(s: Setting, m: Mode) -> dict:
     t_all = max(t_host, t_quota)
     range_b = s.range_mib * 2**20
     reads_per_host = math.ceil(host_bytes / range_b) + 2 + (s.full_every if m.delta else 0)
-    reads_per_s = hosts * reads_per_host / max(t_all, 1e-9) + hosts / s.poll_s
+    # Requests per second while a version spreads (a burst under a second counts whole).
+    reads_per_s = hosts * reads_per_host / max(t_all, 1.0) + hosts / s.poll_s
     shard_b = s.shard_mib * 2**20
     stored = full / s.full_every + delta if m.delta else full  # per version, on average
     writes_per_s = (math.ceil(stored / shard_b) + 2) / s.step_s  # shards, manifest, LATEST
