@@ -738,8 +738,9 @@ class ParamServer:
 
     def _apply(self, version, manifest, data, pieces, want) -> dict[tuple[str, int], np.ndarray]:
         where = {(p["name"], p["part"]): p for p in manifest["delta"]["pieces"]}
-        out = {}
-        for t, r, shape in self._wanted(manifest, want):
+
+        def one(item: tuple[dict[str, Any], int, tuple]) -> tuple[tuple[str, int], np.ndarray]:
+            t, r, shape = item
             pid = (t["name"], r)
             spec, old = where.get(pid), pieces.get(pid)
             dtype = _resolve_dtype(t["dtype"])
@@ -760,8 +761,12 @@ class ParamServer:
                     f"crc32c {want_crc:08x}, got {actual:08x} (a wrong base or a bad delta)"
                 )
             new.flags.writeable = False
-            out[pid] = new
-        return out
+            return pid, new
+
+        # Pieces in parallel: zstd, NumPy's copies and crc32c release the GIL.
+        items = list(self._wanted(manifest, want))
+        with ThreadPoolExecutor(max_workers=max(1, min(self.max_workers, len(items)))) as pool:
+            return dict(pool.map(one, items))
 
     def _piece_bytes(self, version: int, kind: str, spec: dict[str, Any], data) -> Any:
         try:

@@ -117,7 +117,12 @@ def apply_delta(blob: bytes | memoryview, old: np.ndarray) -> np.ndarray:
     if len(raw) != nbytes:
         raise DeltaError(f"delta holds {len(raw)} bytes, the piece {nbytes}")
     size = old.dtype.itemsize if old.dtype.itemsize in _UINT else 1
-    words = np.frombuffer(raw, np.uint8).reshape(size, -1).T.copy()  # back to [n, size]
-    x = words.reshape(-1).view(_words(old).dtype)
-    out = np.bitwise_xor(_words(old), x)
+    planes = np.frombuffer(raw, np.uint8).reshape(size, -1)
+    # One new buffer, filled plane by plane and XORed in place: fresh memory costs page
+    # faults (several seconds per GiB on some VMs), so the rebuild allocates it once.
+    words = np.empty((planes.shape[1], size), np.uint8)
+    for b in range(size):
+        words[:, b] = planes[b]
+    out = words.reshape(-1).view(_words(old).dtype)
+    np.bitwise_xor(out, _words(old), out=out)
     return out.view(old.dtype).reshape(old.shape)
