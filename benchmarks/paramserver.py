@@ -14,7 +14,11 @@
     .venv/bin/python benchmarks/paramserver.py [--size-mib 1024] [--gcs-size-mib 128]
         [--repeats 9] [--dir DIR] [--no-gcs]
 
-Writes the table to benchmarks/results/paramserver.md. Warm page cache: nothing here drops
+Writes the table to benchmarks/results/paramserver.md.
+
+With `--deltas` it measures delta versions instead (`benchmarks/paramserver_deltas.py`,
+results in benchmarks/results/paramserver_deltas.md): a real RL run publishing bfloat16
+versions, then push/pull of full and delta versions of its weights on both backends. Warm page cache: nothing here drops
 caches (the machine is shared), so "disk" means the kernel's page cache plus whatever
 write-back the kernel does meanwhile, for cp as for the parameter server.
 """
@@ -311,6 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     parser.add_argument("--no-gcs", action="store_true")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--deltas",
+        action="store_true",
+        help="the delta-version benchmark (benchmarks/paramserver_deltas.py: its own options)",
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    if "--deltas" in argv:
+        from benchmarks.paramserver_deltas import main as deltas_main
+
+        return deltas_main([a for a in argv if a != "--deltas"])
     args = parser.parse_args(argv)
     args.loadavg = os.getloadavg()
 

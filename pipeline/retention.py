@@ -15,6 +15,9 @@ it), so a worker only ever claims an index >= ``next_batch``; and a worker claim
 claims, independently of when its lease object appears; the lease rule covers workers whose
 view is older (a stale LATEST, a lease version recorded at claim time).
 
+A kept version keeps its links too (``ParamServer.gc``): the full snapshot of its anchor and
+the deltas from there to it, so it can be rebuilt by a reader that holds nothing.
+
 Deletion itself is ``ParamServer.gc``: manifest first, so a version is either committed and
 complete or not visible. A reader that raced the deletion of an *unprotected* version gets a
 clean ``CorruptSnapshotError``/``SnapshotNotFoundError``, never wrong bytes (shards are

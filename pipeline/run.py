@@ -50,6 +50,20 @@ def base_server(run: Run) -> ParamServer:
     return ParamServer(run.store.child(BASE_PREFIX))
 
 
+def weights_server(run: Run) -> ParamServer:
+    """The run's policy versions (trainer publishes, workers and evaluators pull), with the
+    run's `paramserver` settings for shards, ranged reads and their concurrency."""
+    from pipeline.paramserver import ParamServer
+
+    ps = run.config.paramserver
+    return ParamServer(
+        run.store,
+        shard_bytes=ps.shard_mib << 20,
+        max_workers=ps.pull_concurrency,
+        range_bytes=ps.range_mib << 20,
+    )
+
+
 def orm_server(run: Run) -> ParamServer:
     """The run's ORM baseline (an external verifier, `tpu_jobs.orm`): version 0 under
     `orm/`, read by the evaluator."""

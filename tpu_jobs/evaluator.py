@@ -58,7 +58,7 @@ from pipeline.metrics import (
 )
 from pipeline.paramserver import ParamServer
 from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
-from pipeline.run import DONE_KEY, Run
+from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.tasks import get_task
 from pipeline.tasks.datasets import DATASETS, load_dataset
 from tpu_jobs import mesh as meshlib
@@ -187,7 +187,7 @@ class Evaluator:
         self.run = run
         self.cfg = run.config
         self.log = log
-        self.ps = ParamServer(run.store)
+        self.ps = weights_server(run)
         self.tok = run_tokenizer(run)
         self.dataset = dataset
         if dataset is None:

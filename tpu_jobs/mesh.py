@@ -273,6 +273,41 @@ def shard_model(model: Any, mesh: Mesh, rules: Sequence[tuple[str, P]] = PARAM_R
     return model
 
 
+def split_axes(
+    shapes: Mapping[str, Sequence[int]],
+    parts: int,
+    rules: Sequence[tuple[str, P]] = PARAM_RULES,
+) -> dict[str, int | None]:
+    """{flat parameter name: the dimension a sampler mesh of `parts` tensor ranks splits,
+    or None (replicated)}: where the parameter server cuts each weight into per-rank pieces,
+    so a piece is exactly what one tensor rank's devices hold (`rules`, `fit_spec`)."""
+    from jax.sharding import AbstractMesh
+
+    mesh = AbstractMesh((1, 1, parts), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    out: dict[str, int | None] = {}
+    for name, shape in shapes.items():
+        spec = spec_for(name, shape, mesh, rules) if parts > 1 else P()
+        dims = [
+            d
+            for d, entry in enumerate(spec)
+            if entry == "tensor" or (isinstance(entry, tuple) and "tensor" in entry)
+        ]
+        out[name] = dims[0] if dims else None
+    return out
+
+
+def tensor_ranks(mesh: Mesh, devices: Sequence[Any] | None = None) -> frozenset[int] | None:
+    """The `tensor`-axis indices of `mesh` that `devices` (default: this process's
+    addressable devices) occupy: the pieces of a version this host must download. None when
+    they are all of them (nothing to skip)."""
+    if devices is None:
+        devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    wanted = set(devices)
+    axis = AXES.index("tensor")
+    ranks = {int(index[axis]) for index, device in np.ndenumerate(mesh.devices) if device in wanted}
+    return None if len(ranks) == mesh.shape["tensor"] else frozenset(ranks)
+
+
 def batch_size_multiple(mesh: Mesh) -> int:
     """Global batch sizes must be multiples of this (the data x fsdp size)."""
     return math.prod(mesh.shape[a] for a in BATCH_AXES)

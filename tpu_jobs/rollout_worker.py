@@ -52,10 +52,10 @@ import numpy as np
 
 from pipeline import failpoints
 from pipeline.leases import BatchLeases
-from pipeline.paramserver import CorruptSnapshotError, ParamServer, SnapshotNotFoundError
+from pipeline.paramserver import CorruptSnapshotError, Snapshot, SnapshotNotFoundError
 from pipeline.problem_sets import check_representable
 from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
-from pipeline.run import DONE_KEY, Run
+from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks.judge import judge_context, judge_reward
 from tpu_jobs import mesh as meshlib
@@ -129,7 +129,7 @@ class RolloutWorker:
         self.cfg = run.config
         self.worker_id = worker_id
         self.log = log
-        self.ps = ParamServer(run.store)
+        self.ps = weights_server(run)
         self.leases = BatchLeases(run.store, ttl_seconds=self.cfg.rollout.lease_seconds)
         self.tok = run_tokenizer(run)
         self.problems = run.read_problems("train")
@@ -145,6 +145,9 @@ class RolloutWorker:
             kv_token_budget=self.cfg.sampler.kv_token_budget,
         )
         self.version: int | None = None
+        # The snapshot of `version` as pulled: the next version is rebuilt from it with
+        # the deltas in between (pipeline/paramserver.py).
+        self.held: Snapshot | None = None
         self._stop = False
         self.batches_done = 0
         self.last_stats: dict[str, Any] = {}  # dynamic-sampling / judge stats of the last batch
@@ -155,8 +158,9 @@ class RolloutWorker:
     def _ensure_version(self, version: int) -> bool:
         if self.version == version:
             return True
+        held = self.held if self.held is not None and self.held.version == self.version else None
         try:
-            snap = self.ps.pull(version)
+            snap = self.ps.pull(version, have=held)
         except (CorruptSnapshotError, SnapshotNotFoundError) as err:
             # Tell the trainer (it rewrites the version from its parameters) and wait.
             self.ps.report_refused(version, self.worker_id, str(err))
@@ -168,7 +172,7 @@ class RolloutWorker:
         load_flat_params(self.model, snap.tensors)
         if self.mesh is not None:  # place the weights once, not per generate call
             meshlib.shard_model(self.model, self.mesh)
-        self.version = version
+        self.version, self.held = version, snap
         return True
 
     def _generate_round(self, index: int, rnd: int) -> dict[str, Any]:

@@ -59,14 +59,19 @@ import numpy as np
 import optax
 from flax import nnx
 
-from pipeline import failpoints
+from pipeline import failpoints, weight_codec
 from pipeline.batch_checks import BadBatchError, BatchLimits, read_checked
 from pipeline.config import ModelConfig, RunConfig
 from pipeline.leases import BatchLeases
-from pipeline.paramserver import ParamServer, StaleEpochError
+from pipeline.paramserver import (
+    CorruptSnapshotError,
+    Snapshot,
+    SnapshotNotFoundError,
+    StaleEpochError,
+)
 from pipeline.retention import apply_retention
 from pipeline.rollouts import RolloutBatch
-from pipeline.run import DONE_KEY, Run, base_server
+from pipeline.run import DONE_KEY, Run, base_server, weights_server
 from pipeline.storage import ObjectNotFound, StorageError
 from pipeline.tasks.base import REWARD_RANGE
 from pipeline.tokenizer import Tokenizer, get_tokenizer
@@ -656,8 +661,11 @@ class Trainer:
         self.cfg = run.config
         self.log = log
         self.primary = jax.process_index() == 0
-        self.ps = ParamServer(run.store)
+        self.ps = weights_server(run)
         self.leases = BatchLeases(run.store, ttl_seconds=self.cfg.rollout.lease_seconds)
+        # The last version this trainer published (its tensors as published): the base of
+        # the next delta. None: pull it back from the store when a delta needs it.
+        self._published: Snapshot | None = None
         tok = run_tokenizer(run)
         problems = run.read_problems("train")
         prompt_len = round_up(max(len(tok.encode_prompt(p.prompt)) for p in problems), 8)
@@ -725,12 +733,56 @@ class Trainer:
             policy = meshlib.to_host(policy)
         if not self.primary:
             return
-        flat = params_to_flat(self.learner.fns, policy)
-        wrote = self.ps.publish(version, flat, epoch=epoch, metadata={"step": state.step})
+        pc = self.cfg.paramserver
+        flat = self._published_tensors(policy)
+        layout = self._layout(flat)
+        base = self._delta_base(version) if pc.full_every > 1 and version > 0 else None
+        wrote = self.ps.publish(
+            version,
+            flat,
+            epoch=epoch,
+            metadata={"step": state.step},
+            base=base,
+            full=base is None or version % pc.full_every == 0,
+            **layout,
+        )
+        # A retry of a committed version leaves its stored bits as the next base (pulled).
+        self._published = (
+            Snapshot.of(version, flat, layout["split"], layout["parts"])
+            if wrote and pc.full_every > 1
+            else None
+        )
         if wrote:
-            self.log(f"[trainer] published v{version} (step {state.step})")
+            kind = "full" if base is None or version % pc.full_every == 0 else "delta"
+            self.log(f"[trainer] published v{version} (step {state.step}, {kind})")
         if self.cfg.trainer.keep_versions:
             self._retain(state, epoch)
+
+    def _published_tensors(self, policy: Any) -> dict[str, np.ndarray]:
+        """The policy's tensors in the published dtype (`paramserver.dtype`), as own host
+        copies: arrays viewing device buffers would change when the state is donated to the
+        next step, and the next delta is taken against these."""
+        dtype = self.cfg.paramserver.publish_dtype(self.cfg.sampler.dtype)
+        flat = params_to_flat(self.learner.fns, policy)
+        cast = weight_codec.cast_for_publish(flat, dtype)
+        return {k: np.array(v, copy=True) if v is flat[k] else v for k, v in cast.items()}
+
+    def _layout(self, flat: dict[str, np.ndarray]) -> dict[str, Any]:
+        """publish's split/parts/full_every: pieces lined up with the sampler's mesh."""
+        pc = self.cfg.paramserver
+        parts = pc.parts(self.cfg.mesh.sampler)
+        split = meshlib.split_axes({k: v.shape for k, v in flat.items()}, parts)
+        return {"split": split, "parts": parts, "full_every": pc.full_every}
+
+    def _delta_base(self, version: int) -> Snapshot | None:
+        """Version - 1 as stored (complete), or None (then a full snapshot is written)."""
+        if self._published is not None and self._published.version == version - 1:
+            return self._published
+        try:
+            return self.ps.pull(version - 1)
+        except (CorruptSnapshotError, SnapshotNotFoundError) as err:
+            self.log(f"[trainer] v{version - 1} unusable as a delta base ({err}); full v{version}")
+            return None
 
     def _retain(self, state: TrainerState, epoch: int) -> None:
         """Delete weight versions no reader needs; StaleEpochError propagates (exit 3)."""
@@ -776,8 +828,14 @@ class Trainer:
         current = state.step // self.cfg.trainer.publish_every
         for version, reasons in sorted(self.ps.refused().items()):
             if version == current:
-                flat = params_to_flat(self.learner.fns, state.params["policy"])
-                self.ps.repair(version, flat, epoch=self.epoch, metadata={"step": state.step})
+                flat = self._published_tensors(state.params["policy"])
+                self.ps.repair(
+                    version,
+                    flat,
+                    epoch=self.epoch,
+                    metadata={"step": state.step},
+                    **self._layout(flat),
+                )
                 self.log(
                     f"[trainer] a rollout worker refused v{version} ({reasons[0]}); rewrote it "
                     "from the trainer's parameters"

@@ -175,6 +175,15 @@ class ObjectStore(abc.ABC):
     def read(self, key: str) -> bytes:
         """Whole object; ``ObjectNotFound`` (naming the full url) if missing."""
 
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of an object from byte ``start`` (fewer at its end);
+        ``ObjectNotFound`` if missing. This default reads the whole object; backends that can
+        read a range (an HTTP Range request, ``pread``) override it, so several ranges of one
+        large object can be fetched in parallel."""
+        if start < 0 or length < 0:
+            raise ValueError(f"read_range needs start >= 0 and length >= 0, got {start}, {length}")
+        return bytes(self.read(key)[start : start + length])
+
     @abc.abstractmethod
     def read_to_file(self, key: str, local_path: str | os.PathLike[str]) -> None:
         """Stream an object to a local file (replaced atomically); ``ObjectNotFound`` if missing."""

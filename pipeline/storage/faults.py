@@ -74,6 +74,9 @@ class FlakyStore(ObjectStore):
     def read(self, key: str) -> bytes:
         return self._call("read", key, lambda: self.inner.read(key))
 
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        return self._call("read_range", key, lambda: self.inner.read_range(key, start, length))
+
     def read_to_file(self, key: str, local_path: str | os.PathLike[str]) -> None:
         self._call("read_to_file", key, lambda: self.inner.read_to_file(key, local_path))
 

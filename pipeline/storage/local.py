@@ -122,6 +122,18 @@ class LocalStore(ObjectStore):
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ObjectNotFound(self.url_of(key)) from None
 
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        if start < 0 or length < 0:
+            raise ValueError(f"read_range needs start >= 0 and length >= 0, got {start}, {length}")
+        try:
+            fd = os.open(self.path_of(key), os.O_RDONLY)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFound(self.url_of(key)) from None
+        try:
+            return os.pread(fd, length, start)
+        finally:
+            os.close(fd)
+
     def read_to_file(self, key: str, local_path: str | os.PathLike[str]) -> None:
         try:
             src = open(self.path_of(key), "rb")  # noqa: SIM115 - closed below

@@ -209,6 +209,9 @@ class RetryingStore(ObjectStore):
     def read(self, key: str) -> bytes:
         return self._retry("read", key, lambda: self.inner.read(key))
 
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        return self._retry("read_range", key, lambda: self.inner.read_range(key, start, length))
+
     def read_to_file(self, key: str, local_path: str | os.PathLike[str]) -> None:
         self._retry("read_to_file", key, lambda: self.inner.read_to_file(key, local_path))
 

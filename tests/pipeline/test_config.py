@@ -210,7 +210,25 @@ BAD_VALUES = {
     "mesh.trainer": "[0, 1, 1]",
     "mesh.sampler": "[1, 1, 1, 1]",
     "sandbox.concurrency": -1,
+    "paramserver.full_every": 0,
+    "paramserver.tensor_parts": -1,
+    "paramserver.pull_concurrency": 0,
+    "paramserver.shard_mib": 0,
+    "paramserver.range_mib": 0,
 }
+
+
+def test_paramserver_section_refuses_bad_dtypes_and_misaligned_parts():
+    with pytest.raises(ConfigError, match="paramserver.dtype='float16'.*'sampler', 'float32'"):
+        load_config(ROOT / "configs/tiny.yaml", ["paramserver.dtype=float16"])
+    with pytest.raises(ConfigError, match="tensor_parts=4 .*line up with the sampler"):
+        load_config(
+            ROOT / "configs/tiny.yaml", ["mesh.sampler=[1, 1, 2]", "paramserver.tensor_parts=4"]
+        )
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["mesh.sampler=[1, 1, 2]"])
+    assert cfg.paramserver.parts(cfg.mesh.sampler) == 2
+    assert cfg.paramserver.publish_dtype("bfloat16") == "bfloat16"  # "sampler": follows it
+    assert cfg.paramserver.parts(None) == 1
 
 
 @pytest.mark.parametrize("dotted", sorted(BAD_VALUES))

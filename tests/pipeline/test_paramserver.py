@@ -101,19 +101,25 @@ def test_round_trip_is_exact_and_layout_matches_manifest(ps: ParamServer) -> Non
     # Each shard is the plain concatenation of its tensors' bytes, in manifest order, with
     # the recorded size and CRC-32C (checked against an independent implementation).
     manifest = ps.manifest(1)
-    assert len(manifest["shards"]) >= 3
-    for index, shard in enumerate(manifest["shards"]):
+    assert manifest["format"] == 2 and manifest["anchor"] == 1 and "delta" not in manifest
+    full = manifest["full"]
+    assert len(full["shards"]) >= 3
+    for index, shard in enumerate(full["shards"]):
         raw = ps.store.read(f"weights/{shard['key']}")
-        entries = [t for t in manifest["tensors"] if t["shard"] == index]
+        entries = [t for t in full["pieces"] if t["shard"] == index]
         expect = b"".join(tensors[t["name"]].tobytes() for t in entries)
         assert raw == expect
         assert shard["size"] == len(raw) and shard["crc32c"] == _crc32c_reference(raw)
+        assert shard["part"] is None and "-all-" in shard["key"]  # unsplit: every reader's
         offsets = [t["offset"] for t in entries]
         assert offsets == sorted(offsets) and offsets[0] == 0
         assert len(raw) <= 4096 or len(entries) == 1  # only a lone big tensor may exceed
     by_name = {t["name"]: t for t in manifest["tensors"]}
     assert by_name["layer0/w_bf16"]["dtype"] == "bfloat16"
-    assert by_name["layer0/b"] == {**by_name["layer0/b"], "shape": [17], "nbytes": 68}
+    assert by_name["layer0/b"]["shape"] == [17] and by_name["layer0/b"]["axis"] is None
+    assert by_name["layer0/b"]["crc32c"] == [_crc32c_reference(tensors["layer0/b"].tobytes())]
+    pieces = {t["name"]: t for t in full["pieces"]}
+    assert pieces["layer0/b"]["nbytes"] == 68 and pieces["layer0/b"]["part"] == 0
 
 
 def test_corrupted_shard_is_refused_and_previous_snapshot_stays_usable(ps: ParamServer) -> None:
@@ -121,7 +127,7 @@ def test_corrupted_shard_is_refused_and_previous_snapshot_stays_usable(ps: Param
     ps.publish(1, _tensors(1), epoch=epoch)
     previous = ps.pull()
     ps.publish(2, _tensors(2), epoch=epoch)
-    shard = ps.manifest(2)["shards"][1]
+    shard = ps.manifest(2)["full"]["shards"][1]
     _flip_byte(ps.store, f"weights/{shard['key']}", offset=5)
     with pytest.raises(CorruptSnapshotError) as err:
         ps.pull(2)
@@ -135,7 +141,7 @@ def test_corrupted_shard_is_refused_and_previous_snapshot_stays_usable(ps: Param
 def test_missing_shard_is_refused(ps: ParamServer) -> None:
     epoch = ps.acquire_epoch()
     ps.publish(1, _tensors(1), epoch=epoch)
-    shard = ps.manifest(1)["shards"][0]
+    shard = ps.manifest(1)["full"]["shards"][0]
     ps.store.delete(f"weights/{shard['key']}")
     with pytest.raises(CorruptSnapshotError, match=rf"shard .*{shard['key']} is missing"):
         ps.pull()
@@ -165,7 +171,8 @@ def test_partial_snapshot_is_invisible(ps: ParamServer, monkeypatch: pytest.Monk
     assert ps.gc(keep_last=1) == [1]
     manifest = ps.manifest(2)
     expected = sorted(
-        [f"weights/{s['key']}" for s in manifest["shards"]] + ["weights/v00000002/manifest.json"]
+        [f"weights/{s['key']}" for s in manifest["full"]["shards"]]
+        + ["weights/v00000002/manifest.json"]
     )
     assert ps.store.list("weights/v") == expected
 

@@ -244,7 +244,7 @@ def test_gc_in_the_middle_of_a_pull(store: ObjectStore, clock: FakeClock) -> Non
     triggered: list[int] = []
 
     def on_read(key: str) -> None:
-        if gc_now and key.startswith(f"weights/v{gc_now[0][0]:08d}/shard-"):
+        if gc_now and key.startswith(f"weights/v{gc_now[0][0]:08d}/full-"):
             version, next_batch = gc_now.pop()
             triggered.append(version)
             apply_retention(

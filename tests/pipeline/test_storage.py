@@ -86,6 +86,18 @@ def test_delete_and_missing_delete(store: ObjectStore) -> None:
     assert store.read("d/x") == b"again"
 
 
+def test_read_range(store: ObjectStore) -> None:
+    data = bytes(range(256)) * 3
+    store.write_new("r/obj", data)
+    assert store.read_range("r/obj", 0, 10) == data[:10]
+    assert store.read_range("r/obj", 700, 100) == data[700:]  # clipped at the end
+    assert store.read_range("r/obj", 300, 0) == b""
+    with pytest.raises(ObjectNotFound, match="r/missing"):
+        store.read_range("r/missing", 0, 1)
+    with pytest.raises(ValueError, match="start >= 0"):
+        store.read_range("r/obj", -1, 1)
+
+
 def test_compare_and_swap_with_right_and_wrong_generation(store: ObjectStore) -> None:
     assert store.compare_and_swap("ptr", b"1", None)
     assert not store.compare_and_swap("ptr", b"x", None)  # must-not-exist fails now

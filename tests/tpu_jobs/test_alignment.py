@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pipeline.run import base_server
+from pipeline.weight_codec import cast_for_publish
 from tests.runs import clone_run
 from tpu_jobs.model import load_flat_params
 from tpu_jobs.rollout_worker import RolloutWorker
@@ -44,6 +45,13 @@ def setup(tiny_base, tmp_path_factory):
     for dtype in ("float32", "bfloat16"):
         worker.cfg = _with(cfg, "sampler", dtype=dtype)
         batches[dtype] = worker.generate_batch(0, 0)
+    # The same base as a version published in bfloat16 (paramserver.dtype), as a worker
+    # loads it (load_flat_params casts back to float32), sampled both ways.
+    flat = base_server(run).pull(0).tensors
+    load_flat_params(worker.model, cast_for_publish(flat, "bfloat16"))
+    for dtype in ("float32", "bfloat16"):
+        worker.cfg = _with(cfg, "sampler", dtype=dtype)
+        batches[f"bf16 weights, {dtype}"] = worker.generate_batch(0, 0)
     return trainer, batches
 
 
@@ -97,6 +105,26 @@ def test_bfloat16_sampler_drift_and_the_recomputed_anchor(setup):
     assert recompute["clip_frac"] == 0.0
     assert recompute["is_ratio_max"] > 1.0 + 1e-3
     assert recompute["is_weight_mean"] == pytest.approx(behaviour["is_ratio_mean"], abs=0.05)
+
+
+def test_bfloat16_published_weights(setup):
+    """Versions published in bfloat16: with a bfloat16 sampler nothing changes (the sampler
+    rounds its float32 weights to bfloat16 itself, to nearest even like ml_dtypes), so the
+    batch is bit-identical; with a float32 sampler the rounded weights are a mismatch of
+    their own against the trainer's float32 master weights, which the recomputed anchor
+    absorbs exactly as it absorbs bfloat16 sampling."""
+    trainer, batches = setup
+    same, bf16 = batches["bf16 weights, bfloat16"], batches["bfloat16"]
+    assert same.completion_ids == bf16.completion_ids
+    assert same.behaviour_logprobs == bf16.behaviour_logprobs
+    assert np.array_equal(same.reward, bf16.reward)
+
+    inputs, logp, m = _step(trainer, batches["bf16 weights, float32"], is_correction="tis")
+    real = inputs.comp_mask > 0
+    drift = np.abs(logp - inputs.logp_behaviour)[real]
+    assert drift.mean() > 30 * 1e-6  # far above the float32 agreement (< 1e-6)
+    assert m["ratio_mean"] == m["ratio_max"] == m["ratio_min"] == 1.0  # anchor: recomputed
+    assert m["clip_frac"] == 0.0 and m["is_ratio_max"] > 1.0 + 1e-4
 
 
 def _planted_rewards(batch, group_size):

@@ -149,6 +149,45 @@ for layout in ("token_major", "feature_major"):
                                    "distinct": int(len(np.unique(a.tokens)))}
     out[f"{layout}/cache_spec"] = str(next(iter(sh_s._caches.values())).k[0].sharding.spec)
 
+# Shard-wise pulls: a version cut for a 2-way tensor mesh; the host holding device 1 only.
+from jax.sharding import NamedSharding
+from pipeline.paramserver import ParamServer, Snapshot
+from pipeline.storage import open_store
+from tests.pipeline.test_retention import HookedStore
+from tpu_jobs.model import flat_params
+flat = {k: np.asarray(v) for k, v in flat_params(init_model(cfg, 2)).items()}
+tp = M.make_mesh((1, 1, 2), jax.devices()[:2])
+split = M.split_axes({k: v.shape for k, v in flat.items()}, 2)
+store = open_store("memory://shardwise")
+writer = ParamServer(store, shard_bytes=1 << 14)
+epoch = writer.acquire_epoch()
+writer.publish(0, flat, epoch=epoch, split=split, parts=2)
+nxt = {k: v + np.float32(1e-3) for k, v in flat.items()}
+writer.publish(1, nxt, epoch=epoch, base=Snapshot.of(0, flat, split, 2), full=False, split=split,
+               parts=2, full_every=4)
+read = []
+reader = ParamServer(HookedStore(store, lambda key: read.append(len(store.read(key)))))
+ranks = M.tensor_ranks(tp, [tp.devices.flat[1]])
+out["tp_ranks"] = sorted(ranks)
+out["tp_all_ranks"] = M.tensor_ranks(tp)
+half = reader.pull(0, ranks=ranks)
+out["tp_bytes_read"] = sum(read[1:])  # [0] is the manifest
+out["tp_bytes_total"] = sum(a.nbytes for a in flat.values())
+out["tp_split"] = {k: v for k, v in split.items()}
+same = True
+for name, arr in flat.items():  # the piece is what device 1 holds under the sampler's rules
+    placed = jax.device_put(arr, NamedSharding(tp, M.spec_for(name, arr.shape, tp)))
+    dev1 = next(s.data for s in placed.addressable_shards if s.device == tp.devices.flat[1])
+    same &= np.asarray(dev1).tobytes() == half.tensors[name].tobytes()
+out["tp_pieces_match_device_1"] = bool(same)
+read.clear()
+step = reader.pull(1, have=half, ranks=ranks)
+out["tp_delta_from_held"] = list(step.deltas)
+out["tp_delta_matches"] = all(
+    np.asarray(next(s.data for s in jax.device_put(a, NamedSharding(tp, M.spec_for(n, a.shape, tp)))
+               .addressable_shards if s.device == tp.devices.flat[1])).tobytes()
+    == step.tensors[n].tobytes() for n, a in nxt.items())
+
 roles = M.role_meshes({"trainer": (1, 2, 2), "sampler": (-1, 1, 1)})
 out["roles"] = {r: [[d.id for d in m.devices.flat], dict(m.shape)] for r, m in roles.items()}
 print("RESULT" + json.dumps(out))
@@ -206,6 +245,22 @@ def test_sampling_on_mesh_matches_one_device(eight_devices, layout):
         assert r["logprob_diff"] <= 1e-5, name
         assert r["distinct"] > 5
     assert eight_devices[f"{layout}/cache_spec"] == str(P(("data", "fsdp"), "tensor"))
+
+
+def test_shard_wise_pull_on_a_two_way_tensor_mesh(eight_devices):
+    """A host whose device holds tensor rank 1 of a (1, 1, 2) sampler mesh downloads only
+    rank 1's pieces and the replicated norms: about half the bytes. Each piece is exactly
+    the block that device holds under the sampler's sharding rules, full and after a delta."""
+    r = eight_devices
+    assert r["tp_ranks"] == [1] and r["tp_all_ranks"] is None  # one process holds both
+    split = r["tp_split"]
+    assert split["layers.0.self_attn.q_proj.kernel"] == 1  # column parallel
+    assert split["layers.0.mlp.down_proj.kernel"] == 0  # row parallel
+    assert split["layers.0.input_layernorm.weight"] is None  # replicated
+    share = r["tp_bytes_read"] / r["tp_bytes_total"]
+    assert 0.5 <= share < 0.55, share  # half, plus the norms every rank needs
+    assert r["tp_pieces_match_device_1"]
+    assert r["tp_delta_from_held"] == [1] and r["tp_delta_matches"]
 
 
 def test_role_meshes_are_disjoint(eight_devices):

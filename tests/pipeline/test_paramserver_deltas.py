@@ -1,0 +1,219 @@
+"""Delta versions, published dtypes and per-rank pieces of the parameter server.
+
+References are independent of the code under test: bit patterns of the tensors each version
+was published from, the XOR and zstd of NumPy/zstandard called here, and byte counts of
+the objects a reader actually fetched (a store wrapper that records every read)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import numpy as np
+import pytest
+import zstandard
+
+from pipeline.leases import BatchLeases
+from pipeline.paramserver import CorruptSnapshotError, ParamServer, Snapshot
+from pipeline.retention import apply_retention
+from pipeline.storage import GCSStore, LocalStore, MemoryStore, open_store
+from pipeline.weight_codec import apply_delta, cast_for_publish, encode_delta
+from tests.pipeline.test_paramserver import _assert_exact, _flip_byte
+from tests.pipeline.test_retention import HookedStore
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+
+def _version(v: int) -> dict[str, np.ndarray]:
+    """Weights at version v: a few elements move per version (as in RL), the rest stay; odd
+    values (NaN payloads, -0.0, infinities) and non-float dtypes ride along."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 12)).astype(np.float32)
+    b16 = rng.standard_normal((8, 6)).astype(ml_dtypes.bfloat16)
+    for u in range(1, v + 1):
+        step = np.random.default_rng(u)
+        idx = step.choice(w.size, 5, replace=False)
+        w.reshape(-1)[idx] += np.float32(1e-3) * step.standard_normal(5).astype(np.float32)
+        b16.reshape(-1)[u % b16.size] = ml_dtypes.bfloat16(u / 7)
+    special = np.array([np.nan, -0.0, np.inf, v], dtype=np.float32)
+    special.view(np.uint32)[0] = 0x7FC00000 | v  # a NaN payload that changes
+    return {
+        "w": w,
+        "b16": b16,
+        "special": special,
+        "count": np.array(v, dtype=np.int64),
+        "empty": np.zeros((0, 4), np.float32),
+    }
+
+
+def _publish_chain(ps: ParamServer, versions, full_every: int, **layout) -> None:
+    epoch = ps.acquire_epoch()
+    prev = None
+    for v in versions:
+        tensors = _version(v)
+        full = prev is None or v % full_every == 0
+        ps.publish(v, tensors, epoch=epoch, base=prev, full=full, full_every=full_every, **layout)
+        prev = Snapshot.of(v, tensors, layout.get("split"), layout.get("parts", 1))
+
+
+@pytest.fixture(params=["local", "memory"])
+def ps(request, tmp_path) -> ParamServer:
+    store = (
+        LocalStore(tmp_path / "store")
+        if request.param == "local"
+        else open_store(f"memory://deltas-{tmp_path.name}")
+    )
+    return ParamServer(store.child("run"), shard_bytes=512, max_workers=4)
+
+
+def test_codec_is_xor_of_bit_patterns_in_byte_planes() -> None:
+    old = np.array([1.0, -0.0, np.nan, 3.0], np.float32)
+    new = np.array([1.0, 0.0, np.inf, 3.0000002], np.float32)
+    blob = encode_delta(new, old)
+    x = new.view(np.uint32) ^ old.view(np.uint32)
+    planes = x.view(np.uint8).reshape(-1, 4).T.tobytes()  # byte 0 of each word, then byte 1..
+    assert zstandard.ZstdDecompressor().decompress(blob) == planes
+    assert apply_delta(blob, old).tobytes() == new.tobytes()
+    assert cast_for_publish({"a": old, "i": np.arange(3)}, "bfloat16")["i"].dtype == np.int64
+    with pytest.raises(ValueError, match="allowed: float32, bfloat16"):
+        cast_for_publish({"a": old}, "float16")
+
+
+def test_chain_of_deltas_is_bit_identical_to_full_snapshots(ps: ParamServer) -> None:
+    _publish_chain(ps, range(13), full_every=5)
+    manifests = {v: ps.manifest(v) for v in range(13)}
+    assert [v for v, m in manifests.items() if "full" in m] == [0, 5, 10]
+    assert all("delta" in m and m["base"] == v - 1 for v, m in manifests.items() if v)
+    assert [m["anchor"] for m in manifests.values()] == [0] * 5 + [5] * 5 + [10] * 3
+    held = None
+    for v in range(13):
+        fresh = ps.pull(v)  # from the anchor
+        _assert_exact(fresh.tensors, _version(v))
+        assert fresh.full_from == v - v % 5 and fresh.deltas == tuple(range(v - v % 5 + 1, v + 1))
+        held = ps.pull(v, have=held)  # step by step, across full versions too
+        _assert_exact(held.tensors, _version(v))
+        assert held.full_from is None if v else held.full_from == 0
+    # A delta holds only what changed: far smaller than the full snapshot of its version.
+    size = lambda m, kind: sum(s["size"] for s in m[kind]["shards"])  # noqa: E731
+    assert size(manifests[7], "delta") < size(manifests[5], "full") / 2
+
+
+def test_corrupt_delta_is_refused_and_held_weights_are_kept(ps: ParamServer) -> None:
+    _publish_chain(ps, range(8), full_every=5)
+    held = ps.pull(6)
+    before = {k: v.tobytes() for k, v in held.tensors.items()}
+    shard = max(ps.manifest(7)["delta"]["shards"], key=lambda s: s["size"])
+    _flip_byte(ps.store, f"weights/{shard['key']}", offset=shard["size"] // 2)
+    with pytest.raises(CorruptSnapshotError, match=r"v7: shard .* failed verification"):
+        ps.pull(7, have=held)  # from v6, then from anchor v5: both need v7's delta
+    assert {k: v.tobytes() for k, v in held.tensors.items()} == before
+    _assert_exact(ps.pull(6).tensors, _version(6))  # v6 is still servable
+
+
+def test_rebuilt_tensors_are_verified_not_only_downloaded(ps: ParamServer) -> None:
+    """A held copy whose bits differ from the stored version (a reader's own bug) rebuilds
+    wrong bytes from intact deltas: their crc32c catches it and the anchor path is taken."""
+    _publish_chain(ps, range(8), full_every=5)
+    good = ps.pull(6)
+    wrong = {k: np.array(v) for k, v in good.tensors.items()}
+    wrong["w"][0, 0] += 1
+    bad = Snapshot.of(6, wrong)
+    snap = ps.pull(7, have=bad)
+    _assert_exact(snap.tensors, _version(7))
+    assert snap.full_from == 5 and snap.deltas == (6, 7)
+    with pytest.raises(CorruptSnapshotError, match="rebuilt 'w' piece 0 failed verification"):
+        ps._rebuild(7, ps._read_normalized(7), bad, None)
+
+
+def test_missing_delta_falls_back_to_the_nearest_full_snapshot(ps: ParamServer) -> None:
+    _publish_chain(ps, range(8), full_every=5)
+    held = ps.pull(3)
+    ps.store.delete("weights/v00000004/manifest.json")  # a hole between v3 and v7
+    snap = ps.pull(7, have=held)
+    _assert_exact(snap.tensors, _version(7))
+    assert snap.full_from == 5 and snap.deltas == (6, 7)
+
+
+def test_late_joiner_reads_snapshot_30_and_deltas_31_to_37() -> None:
+    store = open_store("memory://late-joiner")
+    _publish_chain(ParamServer(store, shard_bytes=512), range(38), full_every=10)
+    reads: list[str] = []
+    reader = ParamServer(HookedStore(store, reads.append), shard_bytes=512)
+    snap = reader.pull(37)
+    _assert_exact(snap.tensors, _version(37))
+    assert snap.full_from == 30 and snap.deltas == tuple(range(31, 38))
+    data = sorted({k.split("/")[1] + "/" + k.split("/")[2].split("-")[0] for k in reads
+                   if k.endswith(".bin")})  # fmt: skip
+    assert data == ["v00000030/full"] + [f"v{v:08d}/delta" for v in range(31, 38)]
+    manifests = sorted(k for k in reads if k.endswith("manifest.json"))
+    assert manifests == [f"weights/v{v:08d}/manifest.json" for v in range(30, 38)]
+
+
+def test_retention_keeps_every_link_a_lease_needs(tmp_path) -> None:
+    store = MemoryStore("retention-links")
+    ps = ParamServer(store, shard_bytes=512)
+    _publish_chain(ps, range(26), full_every=10)
+    leases = BatchLeases(store, ttl_seconds=60)
+    assert leases.claim(40, "w", version=17)
+    result = apply_retention(
+        ps, leases, keep_last=1, next_batch=26, publish_every=1, max_staleness=0
+    )
+    # 17 (leased) needs its anchor 10 and the deltas 11..16; 25 (LATEST) needs 20..24.
+    assert result.kept == [*range(10, 18), *range(20, 26)]
+    assert not store.list("weights/v00000018/") and not store.list("weights/v00000009/")
+    fresh = ParamServer(store)
+    _assert_exact(fresh.pull(17).tensors, _version(17))
+    _assert_exact(fresh.pull(25).tensors, _version(25))
+
+
+def test_format_1_snapshots_of_earlier_runs_still_pull(ps: ParamServer) -> None:
+    """A version written by the earlier layout (manifest format 1: shards + tensor offsets,
+    no pieces, no anchor) reads as a full snapshot, and a delta can follow it."""
+    tensors = _version(4)
+    names = sorted(tensors)
+    data = b"".join(tensors[n].tobytes() for n in names)
+    import google_crc32c
+
+    ps._w.write_new("v00000004/shard-00000-abc.bin", data)
+    entries, offset = [], 0
+    for n in names:
+        a = tensors[n]
+        entries.append({"name": n, "shape": list(a.shape), "dtype": a.dtype.name, "shard": 0,
+                        "offset": offset, "nbytes": a.nbytes})  # fmt: skip
+        offset += a.nbytes
+    manifest = {"format": 1, "version": 4, "epoch": 1, "attempt": "abc", "created": 0.0,
+                "metadata": {}, "tensors": entries,
+                "shards": [{"key": "v00000004/shard-00000-abc.bin", "size": len(data),
+                            "crc32c": int(google_crc32c.value(data))}]}  # fmt: skip
+    ps._w.write_new("v00000004/manifest.json", json.dumps(manifest).encode())
+    old = ps.pull(4)
+    _assert_exact(old.tensors, tensors)
+    epoch = ps.acquire_epoch()
+    ps.publish(5, _version(5), epoch=epoch, base=old, full=False, full_every=10)
+    assert ps.manifest(5)["anchor"] == 4
+    _assert_exact(ps.pull(5).tensors, _version(5))
+    assert ps.pull(5, have=old).deltas == (5,)
+
+
+def test_pieces_and_ranged_reads_on_the_emulator(gcs_emulator) -> None:
+    """Pieces per tensor rank, read through HTTP range requests (several per shard object):
+    a rank-1 reader gets exactly the column/row blocks of rank 1."""
+    store = GCSStore(gcs_emulator.bucket, f"deltas-{uuid.uuid4().hex[:12]}",
+                     client=gcs_emulator.client())  # fmt: skip
+    split = {"w": 1, "b16": 0, "special": 0}
+    ps = ParamServer(store.child("run"), shard_bytes=4096, range_bytes=100)
+    _publish_chain(ps, range(4), full_every=3, split=split, parts=2)
+    assert {s["part"] for s in ps.manifest(2)["delta"]["shards"]} == {None, 0, 1}
+    half = ps.pull(2, ranks=[1])
+    want = _version(2)
+    assert half.tensors["w"].tobytes() == np.ascontiguousarray(want["w"][:, 6:]).tobytes()
+    assert half.tensors["b16"].tobytes() == want["b16"][4:].tobytes()
+    _assert_exact({k: half.tensors[k] for k in ("count", "empty")},
+                  {k: want[k] for k in ("count", "empty")})  # fmt: skip
+    nxt = ps.pull(3, have=half, ranks=[1])
+    assert nxt.deltas == (3,) and nxt.tensors["w"].tobytes() == (
+        np.ascontiguousarray(_version(3)["w"][:, 6:]).tobytes()
+    )
+    _assert_exact(ps.pull(3).tensors, _version(3))
+    with pytest.raises(ValueError, match="ranks \\[2\\] do not exist"):
+        ps.pull(3, ranks=[2])
