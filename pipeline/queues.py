@@ -15,3 +15,16 @@ import os
 TRAINER_QUEUE = os.environ.get("RLAX_TRAINER_QUEUE", "trainer")
 ROLLOUT_QUEUE = os.environ.get("RLAX_ROLLOUT_QUEUE", "rollout")
 DEFAULT_QUEUE = os.environ.get("AIRFLOW__OPERATORS__DEFAULT_QUEUE", "default")
+
+NODE_ENV = "RLAX_NODE_NAME"
+
+
+def node_hostname() -> str:
+    """The host a task instance reports (`[core] hostname_callable`): the machine's name, and
+    the Celery worker's node name when several share one machine (`rlax stack` sets
+    RLAX_NODE_NAME per worker), so the UI and the API say which worker ran each try."""
+    import socket
+
+    host = socket.getfqdn()
+    node = os.environ.get(NODE_ENV)
+    return f"{node}@{host}" if node else host

@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import launcher
-from pipeline.queues import DEFAULT_QUEUE, ROLLOUT_QUEUE, TRAINER_QUEUE
+from pipeline.queues import DEFAULT_QUEUE, NODE_ENV, ROLLOUT_QUEUE, TRAINER_QUEUE
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = PROJECT_ROOT / "stack"
@@ -110,6 +109,36 @@ def descendants(pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def group_running(pgid: int) -> bool:
+    """A process of group `pgid` still runs (zombies, which an unreaped child leaves when
+    `up` ran in this very process, do not count; `launcher.group_alive` counts them)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def stop_group(pgid: int, first: int, grace_s: float) -> None:
+    """Signal group `pgid` with `first`, then SIGTERM, and SIGKILL what is left after
+    `grace_s`; reap the leader if it is our child."""
+    for sig, wait in ((first, 0.0), (signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + wait
+        while group_running(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not group_running(pgid):
+            break
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pgid, os.WNOHANG)
 
 
 def kill_tree(pid: int) -> list[int]:
@@ -248,6 +277,8 @@ class Stack:
                 "AIRFLOW__API__PORT": str(self.port("airflow-api-server")),
                 "AIRFLOW__API__BASE_URL": self.api_url,
                 "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.api_url}/execution/",
+                # Task instances name the Celery worker that ran them (pipeline.queues).
+                "AIRFLOW__CORE__HOSTNAME_CALLABLE": "pipeline.queues.node_hostname",
                 "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
                 "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_HOST": "127.0.0.1",
                 "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT": str(
@@ -276,7 +307,38 @@ class Stack:
 
     def start(self, svc: Service, timeout: float = 180.0) -> float:
         """Start one service and wait until it is healthy; seconds it took."""
+        return self.start_all([svc], timeout)[svc.name]
+
+    def start_all(self, services: list[Service], timeout: float = 180.0) -> dict[str, float]:
+        """Start `services` at once and wait until each is healthy (they must not need each
+        other); seconds each took."""
         t0 = time.monotonic()
+        started = {svc.name: (svc, *self._launch(svc)) for svc in services}
+        took: dict[str, float] = {}
+        deadline = time.monotonic() + timeout
+        while len(took) < len(started):
+            for name, (svc, proc, log, offset) in started.items():
+                if name in took:
+                    continue
+                if proc.poll() is not None:
+                    raise StackError(
+                        f"{name} exited with code {proc.returncode}; log {log}:\n"
+                        + _tail(log, offset)
+                    )
+                with contextlib.suppress(OSError, StackError, ValueError):
+                    if svc.ready(self, _tail(log, offset, None)):
+                        if svc.after is not None:
+                            svc.after(self)
+                        took[name] = time.monotonic() - t0
+            if time.monotonic() > deadline:
+                late = sorted(set(started) - set(took))
+                raise StackError(
+                    f"{', '.join(late)} not healthy after {timeout:.0f}s (logs in {self.root / 'logs'})"
+                )
+            time.sleep(0.5)
+        return took
+
+    def _launch(self, svc: Service) -> tuple[subprocess.Popen, Path, int]:
         if svc.setup is not None:
             svc.setup(self)
         log = self.log_path(svc.name)
@@ -298,32 +360,14 @@ class Stack:
             )
         self.procs[svc.name] = {"pid": proc.pid, "start": start_time(proc.pid), "log": str(log)}
         self.save()
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise StackError(
-                    f"{svc.name} exited with code {proc.returncode}; log {log}:\n"
-                    + _tail(log, offset)
-                )
-            with contextlib.suppress(OSError, StackError, ValueError):
-                if svc.ready(self, _tail(log, offset, None)):
-                    break
-            if time.monotonic() > deadline:
-                raise StackError(f"{svc.name} not healthy after {timeout:.0f}s; log {log}:\n")
-            time.sleep(0.5)
-        if svc.after is not None:
-            svc.after(self)
-        return time.monotonic() - t0
+        return proc, log, offset
 
     def stop(self, name: str, grace_s: float = 30.0) -> None:
         """Stop a service this stack started (its process group), if it still runs."""
         info = self.procs.get(name)
         if info and self.running(name):
             svc = SERVICES_BY_NAME.get(name)
-            if svc is not None and svc.stop_signal != signal.SIGTERM:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(info["pid"], svc.stop_signal)
-            launcher.stop_group(info["pid"], grace_s)
+            stop_group(info["pid"], svc.stop_signal if svc else signal.SIGTERM, grace_s)
         self.procs.pop(name, None)
         self.save()
 
@@ -596,14 +640,18 @@ def _dask(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "dask"), *args]
 
 
+# Dask's HTTP server (dashboard, metrics, health) runs even with --no-dashboard, then on
+# every interface: on loopback instead, on a free port.
+LOOPBACK_HTTP = ["--dashboard-address", "127.0.0.1:0"]
+
+
 def _dask_worker(i: int) -> Service:
     return Service(
         f"dask-worker-{i}",
         lambda s: (
-            _dask(
-                "worker", s.dask_address, "--host", "127.0.0.1", "--nthreads", "1"
-            )  # one process, one thread each: two workers are two processes
-            + ["--no-dashboard", "--name", f"worker-{i}", "--local-directory", str(s.dir("dask"))]
+            # One process with one thread each: two workers are two processes.
+            _dask("worker", s.dask_address, "--host", "127.0.0.1", "--nthreads", "1")
+            + [*LOOPBACK_HTTP, "--name", f"worker-{i}", "--local-directory", str(s.dir("dask"))]
         ),
         lambda s, log: "Registered to" in log,
     )
@@ -637,7 +685,7 @@ def _celery_worker(i: int, queues: str, concurrency: int) -> Service:
             + ["--concurrency", str(concurrency), "--skip-serve-logs"]
         ),
         lambda s, log: " ready." in log,
-        env=Stack.airflow_env,
+        env=lambda s: {**s.airflow_env(), NODE_ENV: f"worker{i}"},
     )
 
 
@@ -648,78 +696,89 @@ def _workers(default: int) -> int:
         return default
 
 
-SERVICES: tuple[Service, ...] = (
-    Service(
-        "postgres",
-        _postgres_command,
-        _postgres_ready,
-        setup=_postgres_setup,
-        after=_postgres_create_db,
-        run_as=_postgres_user,
-        stop_signal=signal.SIGINT,  # PostgreSQL's "fast" shutdown
-    ),
-    Service(
-        "redis",
-        lambda s: ["redis-server", str(s.root / "redis" / "redis.conf")],
-        _redis_ok,
-        setup=_redis_setup,
-    ),
-    Service(
-        "gcs",
-        _gcs_command,
-        lambda s, _: bool(_http_ok(f"{s.gcs_url}/storage/v1/b")),
-        after=_gcs_bucket,
-    ),  # fmt: skip
-    Service(
-        "sandbox",
-        lambda s: (
-            _rlax("sandbox", "serve", "--host", "127.0.0.1", "--port", str(s.port("sandbox")))
-            + ["--token-env", "RLAX_SANDBOX_TOKEN", "--concurrency", "2"]
+# Start order: a stage starts once the one before is healthy; the services of a stage
+# start at once.
+STAGES: tuple[tuple[Service, ...], ...] = (
+    (
+        Service(
+            "postgres",
+            _postgres_command,
+            _postgres_ready,
+            setup=_postgres_setup,
+            after=_postgres_create_db,
+            run_as=_postgres_user,
+            stop_signal=signal.SIGINT,  # PostgreSQL's "fast" shutdown
         ),
-        lambda s, _: bool(_http_ok(f"{s.sandbox_url}/health")),
-        env=_sandbox_env,
-        available=_sandbox_missing,
     ),
-    Service(
-        "dask-scheduler",
-        lambda s: (
-            _dask("scheduler", "--host", "127.0.0.1", "--port", str(s.port("dask-scheduler")))
-            + ["--no-dashboard"]
+    (
+        Service(
+            "redis",
+            lambda s: ["redis-server", str(s.root / "redis" / "redis.conf")],
+            _redis_ok,
+            setup=_redis_setup,
         ),
-        lambda s, _: _tcp_ok(s.port("dask-scheduler")),
-    ),
-    _dask_worker(1),
-    _dask_worker(2),
-    Service(
-        "airflow-api-server",
-        lambda s: _airflow(
-            "api-server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(s.port("airflow-api-server")),
-            "--workers",
-            "1",
+        Service(
+            "gcs",
+            _gcs_command,
+            lambda s, _: bool(_http_ok(f"{s.gcs_url}/storage/v1/b")),
+            after=_gcs_bucket,
+        ),  # fmt: skip
+        Service(
+            "sandbox",
+            lambda s: (
+                _rlax("sandbox", "serve", "--host", "127.0.0.1", "--port", str(s.port("sandbox")))
+                + ["--token-env", "RLAX_SANDBOX_TOKEN", "--concurrency", "2"]
+            ),
+            lambda s, _: bool(_http_ok(f"{s.sandbox_url}/health")),
+            env=_sandbox_env,
+            available=_sandbox_missing,
         ),
-        lambda s, _: _airflow_health(s, "metadatabase"),
-        env=Stack.airflow_env,
-        setup=_airflow_migrate,
-    ),  # fmt: skip
-    Service(
-        "airflow-scheduler",
-        lambda s: _airflow("scheduler"),
-        lambda s, _: _airflow_health(s, "scheduler"),
-        env=Stack.airflow_env,
+        Service(
+            "dask-scheduler",
+            lambda s: (
+                _dask("scheduler", "--host", "127.0.0.1", "--port", str(s.port("dask-scheduler")))
+                + LOOPBACK_HTTP
+            ),
+            lambda s, _: _tcp_ok(s.port("dask-scheduler")),
+        ),
+        _dask_worker(1),
+        _dask_worker(2),
     ),
-    Service(
-        "airflow-dag-processor",
-        lambda s: _airflow("dag-processor"),
-        lambda s, _: _airflow_health(s, "dag_processor"),
-        env=Stack.airflow_env,
+    (
+        Service(
+            "airflow-api-server",
+            lambda s: _airflow(
+                "api-server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(s.port("airflow-api-server")),
+                "--workers",
+                "1",
+            ),
+            lambda s, _: _airflow_health(s, "metadatabase"),
+            env=Stack.airflow_env,
+            setup=_airflow_migrate,
+        ),  # fmt: skip
     ),
-    _celery_worker(1, f"{TRAINER_QUEUE},{DEFAULT_QUEUE}", 2),
-    _celery_worker(2, f"{ROLLOUT_QUEUE},{DEFAULT_QUEUE}", _workers(3)),
+    (
+        Service(
+            "airflow-scheduler",
+            lambda s: _airflow("scheduler"),
+            lambda s, _: _airflow_health(s, "scheduler"),
+            env=Stack.airflow_env,
+        ),
+        Service(
+            "airflow-dag-processor",
+            lambda s: _airflow("dag-processor"),
+            lambda s, _: _airflow_health(s, "dag_processor"),
+            env=Stack.airflow_env,
+        ),
+        _celery_worker(1, f"{TRAINER_QUEUE},{DEFAULT_QUEUE}", 2),
+        _celery_worker(2, f"{ROLLOUT_QUEUE},{DEFAULT_QUEUE}", _workers(3)),
+    ),
 )
+SERVICES: tuple[Service, ...] = tuple(svc for stage in STAGES for svc in stage)
 SERVICES_BY_NAME = {s.name: s for s in SERVICES}
 
 
@@ -733,15 +792,16 @@ def up(root: Path = DEFAULT_DIR, log: Callable[[str], None] = print) -> Stack:
     stack.root.chmod(0o700)
     stack._ensure_secrets()
     t0 = time.monotonic()
-    for svc in SERVICES:
-        if stack.running(svc.name):
-            continue
-        why = svc.available()
-        if why is not None:
-            log(f"  {svc.name:<22} skipped: {why}")
-            continue
-        took = stack.start(svc)
-        log(f"  {svc.name:<22} up in {took:5.1f}s (pid {stack.procs[svc.name]['pid']})")
+    for stage in STAGES:
+        todo = []
+        for svc in stage:
+            why = svc.available()
+            if why is not None:
+                log(f"  {svc.name:<22} skipped: {why}")
+            elif not stack.running(svc.name):
+                todo.append(svc)
+        for name, took in stack.start_all(todo).items():
+            log(f"  {name:<22} up in {took:5.1f}s (pid {stack.procs[name]['pid']})")
     log(f"stack up in {time.monotonic() - t0:.1f}s under {stack.root}")
     log(f"  Airflow UI/API {stack.api_url} (user {ADMIN}, password in {stack.root / SECRETS_FILE})")
     log(f"  bucket gs://{BUCKET} at {stack.gcs_url}; Dask {stack.dask_address}")
