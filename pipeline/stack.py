@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.airflow_local import PASSWORDS_FILE, free_port
 from pipeline.queues import DEFAULT_QUEUE, NODE_ENV, ROLLOUT_QUEUE, TRAINER_QUEUE
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -69,12 +70,6 @@ class StackError(RuntimeError):
 
 
 # ------------------------------------------------------------------ processes
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_time(pid: int) -> int | None:
@@ -236,20 +231,10 @@ class Stack:
         return f"redis://:{self.secrets['redis_password']}@127.0.0.1:{self.port('redis')}/0"
 
     def gcs_env(self) -> dict[str, str]:
-        """What a job needs to reach the bucket (as on GCS, through the environment only)."""
-        return {
-            "STORAGE_EMULATOR_HOST": self.gcs_url,
-            "TENSORSTORE_GCS_HTTP_URL": self.gcs_url,
-            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
-            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-            "NO_PROXY": "127.0.0.1,localhost",
-            "no_proxy": "127.0.0.1,localhost",
-        }
+        return emulator_env(self.gcs_url)
 
     def airflow_env(self) -> dict[str, str]:
         """The environment of every Airflow component (and so of every task and job)."""
-        from pipeline.airflow_local import PASSWORDS_FILE
-
         home = self.dir("airflow")
         passwords = home / PASSWORDS_FILE
         if not passwords.is_file():  # the simple auth manager keeps a password it finds
@@ -379,6 +364,23 @@ class Stack:
         self.procs.pop(name)
         self.save()
         return killed
+
+
+def emulator_env(endpoint: str) -> dict[str, str]:
+    """What a job needs to reach a GCS emulator at `endpoint` through the environment only,
+    as jobs on other machines reach GCS: google-cloud-storage and gcsfs read
+    STORAGE_EMULATOR_HOST, TensorStore (Orbax's arrays) TENSORSTORE_GCS_HTTP_URL and
+    GOOGLE_AUTH_TOKEN_FOR_TESTING."""
+    return {
+        "STORAGE_EMULATOR_HOST": endpoint,
+        "TENSORSTORE_GCS_HTTP_URL": endpoint,
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
+        # gcsfs would otherwise ask the Storage Control API (absent from the emulator)
+        # whether the bucket is hierarchical.
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    }
 
 
 def _tail(path: Path, offset: int = 0, chars: int | None = 3000) -> str:

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
@@ -122,6 +123,19 @@ def _under(stack, service: str, pid: int | None) -> bool:
     return bool(pid and info) and pid in stack_mod.descendants(info["pid"])
 
 
+def _live_lease_soon(run: Run, within_s: float = 5.0) -> list:
+    """Live batch leases, polled closely for a while (a batch takes a few seconds)."""
+    deadline = time.monotonic() + within_s
+    leases = BatchLeases(run.store, ttl_seconds=LEASE_SECONDS)
+    while not (live := leases.live_leases()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return live
+
+
+def _tries(history: list) -> list[tuple[int, str, str]]:
+    return [(t.try_number, getattr(t.state, "value", t.state), t.hostname) for t in history]
+
+
 def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
     api = AirflowAPI(stack.api_url, stack_mod.ADMIN, stack.secrets["admin_password"])
     api.wait_for_dag(RL_DAG_ID, timeout=240)
@@ -200,7 +214,7 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
             )
         if db_restarted and rollout_killed is None:
             assert not done, f"trainer done before a rollout kill: raise STEPS; {at.events}"
-            leases = BatchLeases(run.store, ttl_seconds=LEASE_SECONDS).live_leases()
+            leases = _live_lease_soon(run)
             if leases:
                 killed = stack_mod.Stack.load(stack.root).preempt("airflow-worker-2")
                 rollout_killed = at(
@@ -215,7 +229,7 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
                 rollout_back = at(
                     "rollout workers on try " + ", ".join(str(t.try_number) for t in back)
                 )
-    wall = at(f"DAG run {state}")
+    wall = at(f"DAG run {getattr(state, 'value', state)}")
     assert state == "success", _explain(api, dag_run)
     assert None not in (routed, trainer_killed, trainer_back, db_restarted, rollout_killed)
 
@@ -228,7 +242,7 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
         }.items()
     }
     for label, history in tries.items():
-        summary = [(t.try_number, t.state, t.hostname) for t in history]
+        summary = _tries(history)
         _say(f"{label} tries: {summary}")
         assert len(history) >= 2 and history[0].state == "failed", summary
         assert history[-1].state == "success", summary
@@ -252,7 +266,7 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
     REPORT.update(
         run_wall_s=wall,
         events=at.events,
-        tries={k: [(t.try_number, t.state, t.hostname) for t in v] for k, v in tries.items()},
+        tries={k: _tries(v) for k, v in tries.items()},
         trainer_recovery_s=round(trainer_back - trainer_killed, 1),
         rollout_recovery_s=round((rollout_back or wall) - rollout_killed, 1),
         batches=batches,
@@ -288,7 +302,13 @@ def test_beam_curation_on_dask_is_byte_identical_to_the_local_runner(stack, tmp_
         f"--dask_client_address={stack.dask_address}",
     ]
     t = time.monotonic()
-    curate.run(curate.parse_args(args_for(tmp_path, str(tmp_path / "dask"), *dask_args)))
+    try:
+        curate.run(curate.parse_args(args_for(tmp_path, str(tmp_path / "dask"), *dask_args)))
+    finally:  # the runner's client, left open by Beam, would outlive the cluster noisily
+        from distributed import default_client
+
+        with contextlib.suppress(ValueError):
+            default_client().close()
     dask_s = time.monotonic() - t
     local, dask = _files(tmp_path / "local"), _files(tmp_path / "dask")
     assert sorted(local) == sorted(dask)
