@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -123,6 +124,22 @@ def _under(stack, service: str, pid: int | None) -> bool:
     return bool(pid and info) and pid in stack_mod.descendants(info["pid"])
 
 
+def _airflow_pids(stack) -> dict[str, int]:
+    """The running api-server, scheduler and DAG processor: service -> pid."""
+    procs = stack_mod.Stack.load(stack.root).procs
+    names = ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor")
+    return {n: procs[n]["pid"] for n in names if stack_mod.start_time(procs[n]["pid"])}
+
+
+def _heartbeat_after(health: dict, when: datetime) -> bool:
+    beat = (health.get("scheduler") or {}).get("latest_scheduler_heartbeat")
+    if beat is None:
+        return False
+    if isinstance(beat, str):
+        beat = datetime.fromisoformat(beat)
+    return beat > when
+
+
 def _live_lease_soon(run: Run, within_s: float = 5.0) -> list:
     """Live batch leases, polled closely for a while (a batch takes a few seconds)."""
     deadline = time.monotonic() + within_s
@@ -201,15 +218,17 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
         retried = bool(trainer_killed) and train.try_number >= 2 and train.state == "running"
         if retried and trainer_back is None and _under(stack, "airflow-worker-1", train.pid):
             trainer_back = at(f"train try {train.try_number} running on {train.hostname}")
+            airflow_pids = _airflow_pids(stack)
             t = time.monotonic()
             stack_mod.restart("postgres", stack.root, log=lambda _: None)
+            restarted_at = datetime.now(UTC)
             down_s = time.monotonic() - t
-            health = api.health()  # retried until the API answers again
-            while health["scheduler"]["status"] != "healthy":
+            # The scheduler reconnected when it records a heartbeat after the restart.
+            while not _heartbeat_after(api.health(), restarted_at):
+                assert time.monotonic() - t < 120, "no scheduler heartbeat after the restart"
                 time.sleep(0.5)
-                health = api.health()
             db_restarted = at(
-                f"PostgreSQL restarted in {down_s:.1f}s; API and scheduler healthy "
+                f"PostgreSQL restarted in {down_s:.1f}s; the scheduler heartbeats again "
                 f"{time.monotonic() - t:.1f}s after the restart began"
             )
         if db_restarted and rollout_killed is None:
@@ -232,6 +251,8 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
     wall = at(f"DAG run {getattr(state, 'value', state)}")
     assert state == "success", _explain(api, dag_run)
     assert None not in (routed, trainer_killed, trainer_back, db_restarted, rollout_killed)
+    # The same Airflow processes ran on across the database restart: they reconnected.
+    assert _airflow_pids(stack) == airflow_pids
 
     # The tries: the lost ones failed on the killed worker, the retries ran on the restarted.
     tries = {
