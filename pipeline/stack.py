@@ -343,7 +343,12 @@ class Stack:
                 extra_groups=[] if user else None,
                 umask=0o077,
             )
-        self.procs[svc.name] = {"pid": proc.pid, "start": start_time(proc.pid), "log": str(log)}
+        self.procs[svc.name] = {
+            "pid": proc.pid,
+            "start": start_time(proc.pid),
+            "log": str(log),
+            "log_offset": offset,  # where this start's output begins (readiness reads on)
+        }
         self.save()
         return proc, log, offset
 
@@ -819,8 +824,9 @@ def status(root: Path = DEFAULT_DIR) -> list[dict[str, Any]]:
         healthy = False
         if running:
             log = stack.log_path(svc.name)
+            offset = stack.procs[svc.name].get("log_offset", 0)
             with contextlib.suppress(OSError, StackError, ValueError):
-                healthy = bool(svc.ready(stack, _tail(log, 0, None)))
+                healthy = bool(svc.ready(stack, _tail(log, offset, None)))
         rows.append(
             {
                 "service": svc.name,
