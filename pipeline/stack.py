@@ -250,7 +250,13 @@ class Stack:
                 "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
                 "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.database_url(),
                 "AIRFLOW__CELERY__BROKER_URL": self.broker_url,
-                "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + self.database_url(),
+                # Task results in Redis, not in the metadata database: Celery's database
+                # backend retries a failed query three times without waiting, so a
+                # PostgreSQL restart of a few seconds crashed the scheduler (measured).
+                "AIRFLOW__CELERY__RESULT_BACKEND": self.broker_url.removesuffix("/0") + "/1",
+                # Airflow's own retried database calls wait (0.5 s, 1 s, ... 5 s) this many
+                # times (default 3: ~3 s): enough to ride out a database restart.
+                "AIRFLOW__DATABASE__MAX_DB_RETRIES": "12",
                 "AIRFLOW__CORE__DAGS_FOLDER": str(PROJECT_ROOT / "dags"),
                 "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
                 "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
