@@ -146,6 +146,20 @@ class AirflowAPI:
         )
         return sorted(answer.task_instances, key=lambda t: t.try_number)
 
+    def task_log(
+        self, dag_id: str, run_id: str, task_id: str, try_number: int, map_index: int = -1
+    ) -> str:
+        """The text of one try's task log: its events, one a line."""
+        answer = self._retry(
+            lambda: self._api("TaskInstanceApi").get_log(
+                dag_id, run_id, task_id, try_number, full_content=True, map_index=map_index
+            )
+        )
+        content = json.loads(answer.to_json()).get("content") or []
+        return "\n".join(
+            str(item.get("event", "")) if isinstance(item, dict) else str(item) for item in content
+        )
+
     def wait_for_run(
         self,
         dag_id: str,

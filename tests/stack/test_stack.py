@@ -268,6 +268,10 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
         assert len(history) >= 2 and history[0].state == "failed", summary
         assert history[-1].state == "success", summary
     assert all(t.hostname.startswith("worker1@") for t in tries["train"])
+    # The retried trainer resumed from its checkpoint rather than starting over.
+    last = api.task_log(RL_DAG_ID, dag_run, "train", tries["train"][-1].try_number)
+    assert "resumed from checkpoint" in last, last[-3000:]
+    assert "starting from the base model" not in last
 
     # The chaos guarantees: every batch once, and the parameters of an uninterrupted run.
     batches = chaos.batch_accounting(run)
