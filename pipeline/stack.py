@@ -21,7 +21,8 @@ process's pid and kernel start time, so `down` signals only processes it started
 process group, even after a reboot reused the pids). `up` is idempotent: it starts only
 services that are not running, so after a crash or a preemption it is also the restart.
 
-Only the standard library at module level (the CLI imports this lazily).
+Only the standard library and light pipeline modules at module level (the CLI imports
+this lazily); the database driver is imported when a database is created.
 """
 
 from __future__ import annotations
@@ -549,10 +550,6 @@ def _postgres_create_db(stack: Stack) -> None:
         conn.close()
 
 
-def redis_missing() -> str | None:
-    return None if shutil.which("redis-server") else "redis-server is not installed"
-
-
 def ensure_redis() -> None:
     """Install redis-server from Debian when it is missing and we are root."""
     if shutil.which("redis-server"):
@@ -688,21 +685,22 @@ def _airflow_migrate(stack: Stack) -> None:
     marker.touch()
 
 
-def _celery_worker(i: int, queues: str, concurrency: int) -> Service:
+def _celery_worker(i: int, queues: str, concurrency: Callable[[], int]) -> Service:
     return Service(
         f"airflow-worker-{i}",
         lambda s: (
             _airflow("celery", "worker", "--celery-hostname", f"worker{i}@%h", "--queues", queues)
             # Task logs are files in the shared AIRFLOW_HOME, read by the api-server from there:
             # no log server (it would listen on every interface).
-            + ["--concurrency", str(concurrency), "--skip-serve-logs"]
+            + ["--concurrency", str(concurrency()), "--skip-serve-logs"]
         ),
         lambda s, log: " ready." in log,
         env=lambda s: {**s.airflow_env(), NODE_ENV: f"worker{i}"},
     )
 
 
-def _workers(default: int) -> int:
+def _rollout_slots(default: int = 3) -> int:
+    """Worker 2's concurrency: the run's rollout workers at once, and a default-queue task."""
     try:
         return max(1, int(os.environ.get("RLAX_STACK_ROLLOUT_SLOTS", default)))
     except ValueError:
@@ -787,8 +785,8 @@ STAGES: tuple[tuple[Service, ...], ...] = (
             lambda s, _: _airflow_health(s, "dag_processor"),
             env=Stack.airflow_env,
         ),
-        _celery_worker(1, f"{TRAINER_QUEUE},{DEFAULT_QUEUE}", 2),
-        _celery_worker(2, f"{ROLLOUT_QUEUE},{DEFAULT_QUEUE}", _workers(3)),
+        _celery_worker(1, f"{TRAINER_QUEUE},{DEFAULT_QUEUE}", lambda: 2),
+        _celery_worker(2, f"{ROLLOUT_QUEUE},{DEFAULT_QUEUE}", _rollout_slots),
     ),
 )
 SERVICES: tuple[Service, ...] = tuple(svc for stage in STAGES for svc in stage)
