@@ -59,6 +59,16 @@ clean:
 airflow: $(STAMP)
 	$(VENV)/bin/rlax airflow $(ARGS)
 
+# The production shape on this machine (docs/deployment.md): PostgreSQL, Redis, Airflow with
+# the Celery executor and two workers, the GCS emulator, the sandbox and a Dask cluster, on
+# 127.0.0.1 under ./stack/. `rlax stack status` / `rlax stack down` (or `make stack-down`).
+.PHONY: stack stack-down
+stack: $(STAMP)
+	$(VENV)/bin/rlax stack up $(ARGS)
+
+stack-down: $(STAMP)
+	$(VENV)/bin/rlax stack down $(ARGS)
+
 # Kept for old habits: `make demo` is the Airflow demo.
 .PHONY: airflow airflow-demo
 airflow-demo: demo

@@ -282,7 +282,7 @@ def build_pipeline(p: Any, plan: Plan, staging: str) -> None:
             o.schema, o.val_fraction, o.seed, plan.sources, beam.pvalue.AsDict(drops), rates_side
         )
     )
-    written = routed["rows"] | "Write" >> WriteShards(staging, shard_side, o.spill_rows)
+    written = routed[T.ROWS] | "Write" >> WriteShards(staging, shard_side, o.spill_rows)
     stats = routed[T.STATS] | "SumStats" >> beam.CombinePerKey(sum)
 
     summary = {

@@ -28,7 +28,6 @@ from typing import Any
 
 import apache_beam as beam
 import numpy as np
-from apache_beam import pvalue
 from apache_beam.transforms.window import GlobalWindows
 
 from beam_jobs import minhash, schemas
@@ -40,6 +39,7 @@ from beam_jobs.text import dedup_text, hash64
 DEAD_LETTER = "dead_letter"
 PROBLEMS = "problems"
 STATS = "stats"
+ROWS = "rows"  # Route's (output, row) pairs
 
 # Steps in the order they apply; a row removed by several is counted by the first.
 STEPS = ("exact_dedup", "near_dedup", "decontaminate", "difficulty")
@@ -132,10 +132,7 @@ class _ParseFn(beam.DoFn):
 
     def process(self, raw: RawRow):
         record, dead = parse_row(raw, self.schema)
-        if dead is not None:
-            yield pvalue.TaggedOutput(DEAD_LETTER, dead)
-        else:
-            yield record
+        yield (DEAD_LETTER, dead) if dead is not None else (PROBLEMS, record)
 
 
 class ParseRows(beam.PTransform):
@@ -151,9 +148,34 @@ class ParseRows(beam.PTransform):
         self.schema = schema
 
     def expand(self, rows):
-        return rows | "Align" >> beam.ParDo(_ParseFn(self.schema)).with_outputs(
-            DEAD_LETTER, main=PROBLEMS
+        return (
+            rows | "Align" >> beam.ParDo(_ParseFn(self.schema)) | SplitTagged(PROBLEMS, DEAD_LETTER)
         )
+
+
+class SplitTagged(beam.PTransform):
+    """PCollection[(tag, value)] -> {tag: PCollection[value]}, one filter per tag.
+
+    The outputs of one DoFn, as `ParDo(...).with_outputs(...)` would give them. Beam's
+    DaskRunner (2.77) cannot run `with_outputs`: it keys its Dask bags by the producing
+    transform, not by output tag, so every consumer of a tagged output got all of the
+    DoFn's outputs (docs/curation.md). Tagged pairs and a filter per tag mean the same on
+    every runner; on the FnApiRunner, Dataflow, Flink and Spark the filters fuse with the
+    DoFn, so nothing is materialised twice."""
+
+    def __init__(self, *tags: str) -> None:
+        super().__init__()
+        self.tags = tags
+
+    def expand(self, tagged):
+        return {
+            tag: tagged | f"Only_{tag}" >> beam.FlatMap(_value_if_tag, tag) for tag in self.tags
+        }
+
+
+def _value_if_tag(pair: tuple[str, Any], tag: str) -> Iterator[Any]:
+    if pair[0] == tag:
+        yield pair[1]
 
 
 # ---------------------------------------------------------------------- fingerprint
@@ -508,7 +530,7 @@ class _RouteFn(beam.DoFn):
         if dead is not None:
             self._stats[("dead_letter", dead["reason"], raw.source)] += 1
             uid = dead.pop("uid")
-            yield DEAD_LETTER, {**dead, SORT_COLUMN: _sort_uid(uid)}
+            yield ROWS, (DEAD_LETTER, {**dead, SORT_COLUMN: _sort_uid(uid)})
             return
         uid = record.pop("uid")
         drop = drops.get(uid)
@@ -521,39 +543,45 @@ class _RouteFn(beam.DoFn):
                 rank, ref_row = split_uid(drop.ref)
                 ref_source = self.sources[rank]
             yield (
-                "removed",
-                {
-                    "source": record["source"],
-                    "row": record["row"],
-                    "problem_id": record["problem_id"],
-                    "task": record["task"],
-                    "problem": record["problem"],
-                    "step": drop.step,
-                    "reason": drop.reason,
-                    "duplicate_of_source": ref_source,
-                    "duplicate_of_row": ref_row,
-                    "eval_sets": drop.eval_sets or None,
-                    "eval_problem_id": drop.eval_problem_id or None,
-                    "pass_rate": drop.pass_rate,
-                    SORT_COLUMN: _sort_uid(uid),
-                },
+                ROWS,
+                (
+                    "removed",
+                    {
+                        "source": record["source"],
+                        "row": record["row"],
+                        "problem_id": record["problem_id"],
+                        "task": record["task"],
+                        "problem": record["problem"],
+                        "step": drop.step,
+                        "reason": drop.reason,
+                        "duplicate_of_source": ref_source,
+                        "duplicate_of_row": ref_row,
+                        "eval_sets": drop.eval_sets or None,
+                        "eval_problem_id": drop.eval_problem_id or None,
+                        "pass_rate": drop.pass_rate,
+                        SORT_COLUMN: _sort_uid(uid),
+                    },
+                ),
             )
             return
         split = assign_split(record["problem_id"], self.val_fraction, self.seed)
         self._stats[("kept", split, raw.source)] += 1
         yield (
-            split,
-            {
-                **record,
-                "meta": json.dumps(record["meta"], sort_keys=True, ensure_ascii=False),
-                "pass_rate": rates.get(record["problem_id"]),
-                SORT_COLUMN: f"{record['problem_id']}\x00{_sort_uid(uid)}",
-            },
+            ROWS,
+            (
+                split,
+                {
+                    **record,
+                    "meta": json.dumps(record["meta"], sort_keys=True, ensure_ascii=False),
+                    "pass_rate": rates.get(record["problem_id"]),
+                    SORT_COLUMN: f"{record['problem_id']}\x00{_sort_uid(uid)}",
+                },
+            ),
         )
 
     def finish_bundle(self):
         for key, count in sorted(self._stats.items()):
-            yield pvalue.TaggedOutput(STATS, GlobalWindows.windowed_value((key, count)))
+            yield GlobalWindows.windowed_value((STATS, (key, count)))
 
 
 class Route(beam.PTransform):
@@ -582,6 +610,6 @@ class Route(beam.PTransform):
 
     def expand(self, rows):
         fn = _RouteFn(self.schema, self.val_fraction, self.seed, self.sources)
-        return rows | "RouteRows" >> beam.ParDo(fn, self.drops, self.rates).with_outputs(
-            STATS, main="rows"
+        return (
+            rows | "RouteRows" >> beam.ParDo(fn, self.drops, self.rates) | SplitTagged(ROWS, STATS)
         )

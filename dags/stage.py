@@ -21,6 +21,10 @@ import os
 from datetime import timedelta
 from typing import Any
 
+# The trainer's and the rollout workers' Celery queues (each served by its own workers, so
+# where a role runs is configuration, not luck); a stdlib-only module.
+from pipeline.queues import ROLLOUT_QUEUE, TRAINER_QUEUE
+
 
 def _env_float(name: str, default: float, minimum: float) -> float:
     try:
@@ -211,14 +215,14 @@ def add_rl_stage(
 
     assets = output_assets(dag_id)
 
-    @task(task_id="train", outlets=[assets["weights"]])
+    @task(task_id="train", queue=TRAINER_QUEUE, outlets=[assets["weights"]])
     def train(run_url: str) -> str:
         """The RL trainer; waits for its process. A retry resumes from its checkpoint."""
         out = train_body(run_url)
         record_output(assets["weights"], "weights", run_url)
         return out
 
-    @task(task_id="rollout_worker", map_index_template="{{ worker_id }}")
+    @task(task_id="rollout_worker", map_index_template="{{ worker_id }}", queue=ROLLOUT_QUEUE)
     def rollout_worker(run_url: str, worker_id: str) -> str:
         """One rollout worker (mapped over worker ids); exits when the trainer is done."""
         get_current_context()["worker_id"] = worker_id  # type: ignore[typeddict-unknown-key]

@@ -17,6 +17,7 @@ NAMES = {
     "AIRFLOW_SECRET_KEY": 32,  # signs requests to the log servers
     "AIRFLOW_ADMIN_PASSWORD": 16,
     "POSTGRES_PASSWORD": 24,
+    "REDIS_PASSWORD": 24,  # the Celery broker's
     "RLAX_SANDBOX_TOKEN": 32,  # the jobs' key to the sandbox service
 }
 

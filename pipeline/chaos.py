@@ -86,9 +86,14 @@ def prepare(root: str, cfg: RunConfig) -> tuple[Run, Run]:
         code = launcher.run_job("sft", ref.url)
         if code != 0:
             raise RuntimeError(f"SFT bootstrap of {ref.url} failed with exit code {code}")
-    for prefix in (f"{DATA_PREFIX}/", f"{BASE_PREFIX}/"):
-        _copy_prefix(ref, chaos, prefix)
+    clone_inputs(ref, chaos)
     return ref, chaos
+
+
+def clone_inputs(src: Run, dst: Run) -> None:
+    """Give `dst` the data and the base model of `src`: the same run from its first RL step."""
+    for prefix in (f"{DATA_PREFIX}/", f"{BASE_PREFIX}/"):
+        _copy_prefix(src, dst, prefix)
 
 
 def _start(fleet: launcher.Fleet, name: str) -> None:
@@ -229,15 +234,8 @@ def final_params_equal(a: Run, b: Run) -> tuple[bool, str]:
 def account(run: Run, stats: ChaosStats) -> dict[str, Any]:
     """Batches produced / consumed / produced twice / lost, wasted work, restores."""
     steps = run.config.trainer.steps
-    committed = [
-        int(k.split("/b")[1][:8]) for k in run.store.list("rollouts/") if k.endswith(".parquet")
-    ]
-    attempts = [json.loads(run.store.read(k)) for k in run.store.list("metrics/rollout/")]
-    commits_per_index: dict[int, int] = {}
-    for a in attempts:
-        if a["committed"]:
-            commits_per_index[a["batch_index"]] = commits_per_index.get(a["batch_index"], 0) + 1
-    consumed = sorted(r["batch_index"] for r in run.read_metrics("train"))
+    batches = batch_accounting(run)
+    attempts = batches.pop("attempts")
     trainer_log = launcher.Fleet(run.url).log_path("trainer").read_text(errors="replace")
     step_lines = trainer_log.count("[trainer] step ")
     history = stats.latest_history
@@ -246,10 +244,7 @@ def account(run: Run, stats: ChaosStats) -> dict[str, Any]:
         "kills": dict(stats.kills),
         "kills_total": sum(stats.kills.values()),
         "restarts": stats.restarts,
-        "batches_produced": len(committed),
-        "batches_consumed": len(set(consumed)),
-        "batches_produced_twice": sum(1 for c in commits_per_index.values() if c > 1),
-        "batches_lost": len(set(range(steps)) - set(consumed)),
+        **batches,
         "latest_moved_backwards": any(b < a for a, b in zip(history, history[1:], strict=False)),
         "latest_history": history,
         "checkpoints_restored": trainer_log.count("resumed from checkpoint"),
@@ -272,6 +267,28 @@ def account(run: Run, stats: ChaosStats) -> dict[str, Any]:
     out["conclusive"] = not missing
     out["inconclusive_because"] = "no " + ", no ".join(missing) if missing else ""
     return out
+
+
+def batch_accounting(run: Run) -> dict[str, Any]:
+    """From the bucket alone: rollout batches committed, consumed by the trainer, committed
+    twice and lost (a step without its batch), and every generation attempt's record."""
+    steps = run.config.trainer.steps
+    committed = [
+        int(k.split("/b")[1][:8]) for k in run.store.list("rollouts/") if k.endswith(".parquet")
+    ]
+    attempts = [json.loads(run.store.read(k)) for k in run.store.list("metrics/rollout/")]
+    commits_per_index: dict[int, int] = {}
+    for a in attempts:
+        if a["committed"]:
+            commits_per_index[a["batch_index"]] = commits_per_index.get(a["batch_index"], 0) + 1
+    consumed = sorted(r["batch_index"] for r in run.read_metrics("train"))
+    return {
+        "batches_produced": len(committed),
+        "batches_consumed": len(set(consumed)),
+        "batches_produced_twice": sum(1 for c in commits_per_index.values() if c > 1),
+        "batches_lost": len(set(range(steps)) - set(consumed)),
+        "attempts": attempts,
+    }
 
 
 def format_report(result: dict[str, Any]) -> str:

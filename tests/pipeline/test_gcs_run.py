@@ -36,6 +36,7 @@ import pytest
 from pipeline.paramserver import ParamServer
 from pipeline.rollouts import from_parquet_bytes
 from pipeline.run import DONE_KEY, Run
+from pipeline.stack import emulator_env
 from tests.local_servers import QuietHandler
 from tests.runs import assert_bit_identical, clone_run, final_tensors, start, wait_all
 
@@ -64,19 +65,6 @@ def _config(tiny_base: Run):
         trainer=replace(cfg.trainer, steps=STEPS),
         rollout=replace(cfg.rollout, lease_seconds=LEASE_SECONDS),
     )
-
-
-def _gcs_env(endpoint: str) -> dict[str, str]:
-    return {
-        "STORAGE_EMULATOR_HOST": endpoint,
-        "TENSORSTORE_GCS_HTTP_URL": endpoint,
-        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
-        # gcsfs would otherwise ask the Storage Control API (absent from the emulator)
-        # whether the bucket is hierarchical.
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-        "NO_PROXY": "127.0.0.1,localhost",
-        "no_proxy": "127.0.0.1,localhost",
-    }
 
 
 def _logs_tail(logs: Path) -> str:
@@ -130,7 +118,7 @@ def test_gcs_run_survives_worker_killed_mid_batch(
 ):
     run = _gcs_run(gcs_emulator, tiny_base, "kill")
     logs = tmp_path / "logs"
-    env = {**jax_cache_env, **_gcs_env(gcs_emulator.url)}
+    env = {**jax_cache_env, **emulator_env(gcs_emulator.url)}
     t0 = time.monotonic()
     procs = {
         "trainer": start(run, "trainer", logs, env),
@@ -373,7 +361,7 @@ def test_gcs_run_survives_http_faults(
 ):
     run = _gcs_run(gcs_emulator, tiny_base, "faults")  # set up without faults
     logs = tmp_path / "logs"
-    env = {**jax_cache_env, **_gcs_env(fault_proxy.url)}
+    env = {**jax_cache_env, **emulator_env(fault_proxy.url)}
     t0 = time.monotonic()
     procs = {n: start(run, n, logs, env) for n in ("trainer", "w0", "w1")}
     codes = wait_all(procs, RUN_TIMEOUT_S)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import load_config
+from tpu_jobs.memory import sampler_memory, train_step_memory
 
 # Compile-only checks of large programs (~1 min in all): the `memory` lane, run by .ci/run
 # after `make test`.
 pytestmark = pytest.mark.memory
-from tpu_jobs.memory import sampler_memory, train_step_memory
 
 VOCAB = 151_936  # Qwen2.5's
 SMALL_MODEL = [
