@@ -52,7 +52,7 @@ class StubSampler:
 
     problems: list = []
 
-    def __init__(self, cfg, pad_id, eos_id, mesh=None):
+    def __init__(self, cfg, pad_id, eos_id, mesh=None, kv_token_budget=0):
         self.tok = get_tokenizer("char")
         self.by_prompt = {tuple(self.tok.encode_prompt(p.prompt)): p for p in self.problems}
 
