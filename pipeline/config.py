@@ -233,17 +233,40 @@ class SFTConfig:
         _one_of("sft.judge_labels", self.judge_labels, ("random", "verifier", "balanced"))
 
 
+# sampler.engine -> what generates (tpu_jobs.samplers.SAMPLERS): "jax" the
+# continuous-batching engine (tpu_jobs.engine), "static" the one-batch reference sampler
+# (tpu_jobs.sampler).
+SAMPLER_ENGINES = ("jax", "static")
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
-    """Generation settings of the rollout workers."""
+    """Generation settings of the rollout workers, the evaluator and the pass-rate job.
+
+    `engine` picks the sampler (SAMPLER_ENGINES). The jax engine's settings: `slots`
+    rows decode at once; `kv_tokens` bounds its paged KV cache (0: slots x
+    model.max_seq_len, never preempting; less: rows are preempted and recomputed when
+    the pool runs out); `page_size` tokens per page; `decode_chunk` decode steps per
+    jitted call. Batches are bit-reproducible with `jax` and `static` (docs/reproducibility.md).
+    """
 
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     max_new_tokens: int = 96
     dtype: str = "float32"
+    engine: str = "jax"
+    slots: int = 64
+    kv_tokens: int = 0
+    page_size: int = 16
+    decode_chunk: int = 8
 
     def __post_init__(self) -> None:
+        _one_of("sampler.engine", self.engine, SAMPLER_ENGINES)
+        _check(self.slots > 0, "sampler.slots", self.slots, "> 0")
+        _check(self.kv_tokens >= 0, "sampler.kv_tokens", self.kv_tokens, ">= 0 (0: automatic)")
+        _check(self.page_size > 0, "sampler.page_size", self.page_size, "> 0")
+        _check(self.decode_chunk > 0, "sampler.decode_chunk", self.decode_chunk, "> 0")
         _check(self.temperature >= 0, "sampler.temperature", self.temperature, ">= 0")
         _check(self.top_k >= 0, "sampler.top_k", self.top_k, ">= 0 (0 disables)")
         _check(0 < self.top_p <= 1, "sampler.top_p", self.top_p, "(0, 1]")

@@ -325,6 +325,7 @@ def _powers(base: int, top: int) -> tuple[int, ...]:
 # Block-table widths (pages) that compile: powers of two, so attention reads at most
 # twice the pages of the longest live row.
 PAGE_BUCKETS = _powers(2, 1 << 20)
+MIN_WIDTH = 64  # tokens: the narrowest block table a decode chunk compiles for
 # Jitted programs by (function, graphdef, mesh, static settings), shared by the engines of
 # a process: another Engine of the same model and settings compiles nothing new.
 _PROGRAMS: dict[tuple, Callable] = {}
@@ -336,7 +337,7 @@ class Engine:
     `kv_tokens`: the token budget of the page pool (rounded down to whole pages); None:
     max_slots rows of the model's max_seq_len (and a page each), so that no row is ever
     preempted. `row_buckets`: the row counts a chunk or prefill compiles for (None: powers
-    of 4 up to max_slots). `chunk`: decode steps per jitted chunk
+    of 4 from 4 up to max_slots). `chunk`: decode steps per jitted chunk
     (more: fewer host round trips; fewer: less work past a row's end). `detokenize`:
     token ids -> text, needed for `stop_strings`. `mesh`: weights are placed by the
     mesh's rules and the pool is replicated on it (the slots are not split over the
@@ -382,7 +383,8 @@ class Engine:
         self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
         # Rows of a chunk or a prefill: powers of 4 up to max_slots (a chunk of 3 live rows
         # runs 4; of 5, 16): fewer programs to compile than powers of 2, for a few idle rows.
-        self.slot_buckets = tuple(sorted(row_buckets or _powers(4, self.max_slots)))
+        default_rows = tuple(b for b in _powers(4, self.max_slots) if b >= min(4, self.max_slots))
+        self.slot_buckets = tuple(sorted(row_buckets or default_rows))
         if self.slot_buckets[-1] < self.max_slots or self.slot_buckets[0] <= 0:
             raise ValueError(
                 f"row_buckets={row_buckets!r} is invalid; allowed: positive sizes, the "
@@ -868,8 +870,10 @@ class Engine:
         if live:
             run = self._run
             r = bucket(len(live), self.slot_buckets)
-            # At least the smallest prompt bucket's pages: short rows share one program.
-            width = max(max(len(s.pages) for s in live), self._pages_for(self.prompt_buckets[0]))
+            # At least MIN_WIDTH tokens (and the smallest prompt bucket): short rows share
+            # one program (attention over a few dozen extra keys costs next to nothing).
+            floor = max(MIN_WIDTH, self.prompt_buckets[0])
+            width = max(max(len(s.pages) for s in live), self._pages_for(floor))
             width = bucket(width, PAGE_BUCKETS)
             trash = self.pages.trash
             token = np.full(r, self.pad_id, np.int32)
