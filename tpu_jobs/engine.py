@@ -408,11 +408,14 @@ class Engine:
     def _program(self, fn: Callable, donate: int, graphdef=None, **static) -> Callable:
         """The jitted `fn` (with the model's graphdef bound first, if given) for these
         static settings; `donate`: the index of the pages argument (updated in place)."""
+        fast = (fn.__name__, *sorted(static.items()))  # this call's graphdef: hashing it is slow
+        if fast in self._run["programs"]:
+            return self._run["programs"][fast]
         key = (fn.__name__, graphdef, self.mesh, *sorted(static.items()))
         if key not in _PROGRAMS:
             bound = fn if graphdef is None else functools.partial(fn, graphdef)
             _PROGRAMS[key] = jax.jit(functools.partial(bound, **static), donate_argnums=donate)
-        self._programs[key] = _PROGRAMS[key]
+        self._programs[key] = self._run["programs"][fast] = _PROGRAMS[key]
         return self._programs[key]
 
     @property
@@ -609,6 +612,7 @@ class Engine:
             dtype=dtype,
             sampling=(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p)),
             flags=dict(use_top_k=top_k > 0, use_top_p=top_p < 1.0),
+            programs={},
         )
         self.stats = dict(
             prefill_rows=0,
