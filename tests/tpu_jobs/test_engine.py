@@ -179,3 +179,19 @@ def test_request_longer_than_the_budget_is_refused(model, keys):
     with pytest.raises(ValueError, match="uint32 key data of shape"):
         eng.run(model, [Request([1, 2], np.zeros(2, np.int64), 4)])
     assert jax.tree.leaves(eng.pages)  # the pool survives refused calls
+
+
+def test_sampler_engine_setting_picks_the_sampler():
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+    from pipeline.tokenizer import get_tokenizer
+    from tpu_jobs.samplers import make_sampler
+
+    tok = get_tokenizer("char")
+    cfg = load_config(None, ["sampler.slots=8", "sampler.kv_tokens=4096", "sampler.page_size=8"])
+    eng = make_sampler(cfg, tok)  # the default
+    assert isinstance(eng, Engine) and (eng.max_slots, eng.num_pages) == (8, 512)
+    assert eng.eos_id == tok.eos_id and eng.detokenize == tok.decode
+    assert isinstance(make_sampler(load_config(None, ["sampler.engine=static"]), tok), Sampler)
+    with pytest.raises(ConfigError, match="sampler.engine.*'jax', 'static'"):
+        load_config(None, ["sampler.engine=sglang"])
