@@ -56,9 +56,12 @@ from tpu_jobs.kv_pages import (
     PagedLayer,
     PagePool,
     PoolExhausted,
+    RowsLayer,
     copy_pages,
+    gather_rows,
     init_pages,
     page_bytes,
+    scatter_rows,
 )
 from tpu_jobs.model import DTYPES, Transformer, rope_tables
 from tpu_jobs.sampler import (
@@ -221,12 +224,24 @@ def paged_hidden(
     page_index = jnp.minimum(positions // size, table.shape[1] - 1)
     write_page = jnp.where(valid, table[rows, page_index], pages.trash)
     write_offset = jnp.where(valid, positions % size, 0)
+    return _layers(
+        model,
+        tokens,
+        positions,
+        pages,
+        lambda k, v: PagedLayer(k, v, table, positions, write_page, write_offset, attention),
+        dtype,
+    )
+
+
+def _layers(model, tokens, positions, kv: PagedKV, view, dtype) -> tuple[jax.Array, PagedKV]:
+    """The model's layers over tokens [B, T], each attending through `view(k, v)` of its
+    layer's keys/values in `kv` (tpu_jobs.kv_pages); (final hidden states, new kv)."""
     x = model.embed_tokens(tokens).astype(DTYPES[dtype])
     cos, sin = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_theta)
-    ks, vs = list(pages.k), list(pages.v)
+    ks, vs = list(kv.k), list(kv.v)
     for i, layer in enumerate(model.layers):
-        view = PagedLayer(ks[i], vs[i], table, positions, write_page, write_offset, attention)
-        x, (ks[i], vs[i]) = layer(x, cos, sin, None, view)
+        x, (ks[i], vs[i]) = layer(x, cos, sin, None, view(ks[i], vs[i]))
     return model.norm(x), PagedKV(k=tuple(ks), v=tuple(vs))
 
 
@@ -291,10 +306,20 @@ def _decode(
         # Live rows' sample indices run step .. step + n_steps - 1: one vectorised draw.
         noise_all = jax.lax.optimization_barrier(_chunk_noise(keys, step, n_steps, vocab))
 
+    # The rows' pages gathered once per chunk into contiguous copies, which the steps
+    # update in place; the chunk's new keys/values are written back to the pages at the
+    # end. Gathering at every step copied the rows' whole cache per step (~2x the step).
+    start = pos
+
     def body(carry, c):
-        pages, token, pos, step, left, live = carry
-        hidden, pages = paged_hidden(
-            model, token[:, None], pos[:, None], live[:, None], pages, table, dtype, attention
+        rows, token, pos, step, left, live = carry
+        hidden, rows = _layers(
+            model,
+            token[:, None],
+            pos[:, None],
+            rows,
+            lambda k, v: RowsLayer(k, v, pos[:, None]),
+            dtype,
         )
         noise = _row_noise(keys, step, vocab) if noise_all is None else noise_all[:, c]
         new, logp = sample(model.logits(hidden[:, 0]), keys, 0, noise=noise)
@@ -302,12 +327,14 @@ def _decode(
         logp = jnp.where(live, logp, 0.0)
         inc = live.astype(jnp.int32)
         left = left - inc
-        carry = (pages, jnp.where(live, new, token), pos + inc, step + inc, left)
+        carry = (rows, jnp.where(live, new, token), pos + inc, step + inc, left)
         return (*carry, live & (new != eos_id) & (left > 0)), (new, logp, live)
 
-    init = (pages, token, pos, step, left, left > 0)
+    init = (gather_rows(pages, table), token, pos, step, left, left > 0)
     carry, (tokens, logps, emitted) = jax.lax.scan(body, init, jnp.arange(n_steps))
-    return tokens.T, logps.T, emitted.T, carry[0]
+    written = start[:, None] + jnp.arange(n_steps, dtype=jnp.int32)[None]  # fed at step c
+    pages = scatter_rows(pages, carry[0], table, written, emitted.T)
+    return tokens.T, logps.T, emitted.T, pages
 
 
 # --------------------------------------------------------------------------- engine

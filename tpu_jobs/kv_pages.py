@@ -191,3 +191,59 @@ class PagedLayer:
             q.reshape(b, t, nkv, heads // nkv, hd), k_pages, v_pages, self.table, self.positions
         )
         return out.reshape(b, t, heads * hd), (k_pages, v_pages)
+
+
+def gather_rows(pages: PagedKV, table: jax.Array) -> PagedKV:
+    """Each row's pages (`table` [B, P]) as one contiguous run: per layer [B, P * page,
+    kv, hd]. A decode chunk gathers once and runs its steps on the copy (`RowsLayer`)."""
+    b, n = table.shape
+
+    def rows(a: jax.Array) -> jax.Array:
+        return a[table].reshape(b, n * a.shape[1], *a.shape[2:])
+
+    return PagedKV(k=tuple(map(rows, pages.k)), v=tuple(map(rows, pages.v)))
+
+
+def scatter_rows(
+    pages: PagedKV, rows: PagedKV, table: jax.Array, positions: jax.Array, valid: jax.Array
+) -> PagedKV:
+    """Write back the keys/values of `rows` (as `gather_rows` makes them) at `positions`
+    [B, C] where `valid`, into their pages (the rest to the trash page)."""
+    size, n = pages.page_size, table.shape[1]
+    index = jnp.arange(table.shape[0])[:, None]
+    write_page = jnp.where(valid, table[index, jnp.minimum(positions // size, n - 1)], pages.trash)
+    write_offset = jnp.where(valid, positions % size, 0)
+    at = jnp.minimum(positions, n * size - 1)
+
+    def put(page: jax.Array, row: jax.Array) -> jax.Array:
+        return page.at[write_page, write_offset].set(row[index, at])
+
+    return PagedKV(k=tuple(map(put, pages.k, rows.k)), v=tuple(map(put, pages.v, rows.v)))
+
+
+@dataclass(frozen=True)
+class RowsLayer:
+    """One layer's contiguous copy of the rows' keys/values (`gather_rows`) for
+    `Attention.attend`: writes the new tokens at `positions` [B, T] and attends over the
+    copy with the causal mask of the positions, through the model's dense attention."""
+
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array):
+        b, t, heads, hd = q.shape
+        nkv = k.shape[2]
+        index = jnp.arange(b)[:, None]
+        k_rows = self.k.at[index, self.positions].set(k.astype(self.k.dtype))
+        v_rows = self.v.at[index, self.positions].set(v.astype(self.v.dtype))
+        key_pos = jnp.arange(k_rows.shape[1], dtype=jnp.int32)
+        visible = key_pos[None, None, :] <= self.positions[:, :, None]
+        out = ATTENTION["dense"](
+            q.reshape(b, t, nkv, heads // nkv, hd),
+            k_rows.astype(q.dtype),
+            v_rows.astype(q.dtype),
+            visible,
+            0,
+        )
+        return out.reshape(b, t, heads * hd), (k_rows, v_rows)
