@@ -17,7 +17,8 @@ How a call runs (`Engine.run`; `Engine.generate` is the static sampler's interfa
 * A decode chunk (`_decode`) runs `chunk` steps of the live rows as one jitted program of
   static shape: rows padded up to a slot bucket, the block table up to a page bucket, so
   a chunk's cost follows the rows still running and their lengths, and each bucket
-  compiles once. A row that emits EOS or reaches its token limit stops writing (its
+  compiles once. It gathers the rows' pages once, steps on the contiguous copy and
+  writes the chunk's new keys/values back to the pages. A row that emits EOS or reaches its token limit stops writing (its
   writes go to the trash page); stop sequences are found on the host after the chunk,
   and the tokens after one are dropped.
 * Pages are allocated as rows grow. When the pool (the token budget) runs out, the

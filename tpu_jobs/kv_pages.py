@@ -13,11 +13,14 @@ G samples of a group (`tpu_jobs.engine`).
 Memory is the pool, sized by a token budget (`num_pages * page_size` tokens), not batch x
 maximum length: what it holds at a time is the tokens actually in flight.
 
-Attention reads a sequence's pages through `PAGED_ATTENTION[name]`; "gather" (the default,
-any platform) gathers the block table's pages into a dense [B, pages * page_size] view
-and runs the model's dense attention over it with the causal mask of the positions. That
-gather is the only place a ragged paged kernel slots in (Pallas `ragged_paged_attention`
-on TPU, FlashInfer/FlashAttention-paged on GPU; docs/scaling.md).
+Attention reads a sequence's pages through `PAGED_ATTENTION[name]` (prefill and resumed
+tokens); "gather" (the default, any platform) gathers the block table's pages into a
+dense [B, pages * page_size] view and runs the model's dense attention over it with the
+causal mask of the positions. A decode chunk gathers its rows' pages once
+(`gather_rows`), runs its steps on that contiguous copy (`RowsLayer`) and writes the new
+keys/values back (`scatter_rows`). Those gathers are where a ragged paged kernel slots in
+(Pallas `ragged_paged_attention` on TPU, FlashInfer/FlashAttention-paged on GPU), reading
+the pages in place (docs/scaling.md).
 """
 
 from __future__ import annotations
