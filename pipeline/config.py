@@ -242,9 +242,22 @@ class SFTConfig:
         _one_of("sft.judge_labels", self.judge_labels, ("random", "verifier", "balanced"))
 
 
+# sampler.engine -> what generates (tpu_jobs.samplers.SAMPLERS): "jax" the
+# continuous-batching engine (tpu_jobs.engine), "static" the one-batch reference sampler
+# (tpu_jobs.sampler).
+SAMPLER_ENGINES = ("jax", "static")
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
-    """Generation settings of the rollout workers."""
+    """Generation settings of the rollout workers, the evaluator and the pass-rate job.
+
+    `engine` picks the sampler (SAMPLER_ENGINES). The jax engine's settings: `slots`
+    rows decode at once; `kv_token_budget` bounds its paged KV cache (0: slots x
+    model.max_seq_len, never preempting; less: rows are preempted and recomputed when
+    the pool runs out); `page_size` tokens per page; `decode_chunk` decode steps per
+    jitted call. Batches are bit-reproducible with `jax` and `static` (docs/reproducibility.md).
+    """
 
     temperature: float = 1.0
     top_k: int = 0  # 0: off
@@ -254,18 +267,30 @@ class SamplerConfig:
     # pass-rate job (bfloat16 on accelerators; the trainer's recomputed log-probs and TIS
     # absorb the difference, tests/tpu_jobs/test_alignment.py measures it).
     dtype: str = "float32"
-    # Bound on the KV cache of one generate call, in token slots (rows x (prompt + new
-    # tokens), after bucketing); a larger call runs as several smaller ones, each row's
-    # tokens unchanged. 0: no bound (one call, the cache sized batch x maximum length).
+    # Which sampler generates (tpu_jobs/samplers.py): "jax", the continuous-batching
+    # engine (tpu_jobs/engine.py: slots refilled between decode chunks, a paged KV cache,
+    # one prefill per prompt group), or "static", the batch-at-once reference sampler.
+    engine: str = "jax"
+    slots: int = 64  # the engine's rows decoding at once
+    # Bound on the KV cache in token slots: the engine's page pool (0: slots x
+    # model.max_seq_len), or, for the static sampler, one generate program's rows
+    # x (prompt + new tokens) after bucketing (a larger call runs as several smaller ones,
+    # each row's tokens unchanged; 0: no bound).
     kv_token_budget: int = 0
+    page_size: int = 16  # tokens per page of the engine's KV cache
+    decode_chunk: int = 8  # decode steps per jitted chunk, between refills
 
     def __post_init__(self) -> None:
+        _one_of("sampler.engine", self.engine, SAMPLER_ENGINES)
+        _check(self.slots > 0, "sampler.slots", self.slots, "> 0")
+        _check(self.page_size > 0, "sampler.page_size", self.page_size, "> 0")
+        _check(self.decode_chunk > 0, "sampler.decode_chunk", self.decode_chunk, "> 0")
         _check(self.temperature >= 0, "sampler.temperature", self.temperature, ">= 0")
         _check(
             self.kv_token_budget >= 0,
             "sampler.kv_token_budget",
             self.kv_token_budget,
-            ">= 0 token slots (0: no bound)",
+            ">= 0 token slots (0: automatic)",
         )
         _check(self.top_k >= 0, "sampler.top_k", self.top_k, ">= 0 (0 disables)")
         _check(0 < self.top_p <= 1, "sampler.top_p", self.top_p, "(0, 1]")

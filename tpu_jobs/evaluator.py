@@ -65,7 +65,7 @@ from tpu_jobs import mesh as meshlib
 from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import load_orm, self_scores
 from tpu_jobs.model import init_model, load_flat_params
-from tpu_jobs.sampler import Sampler
+from tpu_jobs.samplers import make_sampler
 from tpu_jobs.sampling import EVAL_STREAM, sample_and_verify, sample_keys, sampler_mesh
 
 JUDGE_THRESHOLD = 0.5  # a judge says "correct" when its score p(y)/(p(y)+p(n)) > this
@@ -196,13 +196,7 @@ class Evaluator:
             self.problems = load_dataset(dataset)
         self.mesh = mesh or sampler_mesh(self.cfg, "evaluator")
         self.model = init_model(self.cfg.model, self.cfg.seed)
-        self.sampler = Sampler(
-            self.cfg.model,
-            pad_id=self.tok.pad_id,
-            eos_id=self.tok.eos_id,
-            mesh=self.mesh,
-            kv_token_budget=self.cfg.sampler.kv_token_budget,
-        )
+        self.sampler = make_sampler(self.cfg, self.tok, self.mesh)
         ec = self.cfg.eval
         self.ks = tuple(sorted({int(k) for k in ks})) if ks else tuple(ec.ks)
         self.n = max(ec.num_samples, max(self.ks))

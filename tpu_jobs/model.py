@@ -243,6 +243,8 @@ class Attention(nnx.Module):
         """Attention of post-RoPE q [B, T, heads, hd] over k, v [B, T, kv, hd] (and the
         cache, which gets them written at `slot`): (output [B, T, heads*hd] before o_proj,
         updated (k, v) cache arrays or None)."""
+        if hasattr(cache_kv, "attend"):  # a cache kept outside the model (tpu_jobs.kv_pages)
+            return cache_kv.attend(q, k, v)
         b, t, _, hd = q.shape
         nkv, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
         new_cache = None

@@ -35,7 +35,7 @@ from pipeline.tasks.base import Problem
 from tpu_jobs import mesh as meshlib
 from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.model import init_model, load_flat_params
-from tpu_jobs.sampler import Sampler
+from tpu_jobs.samplers import make_sampler
 from tpu_jobs.sampling import PASS_RATE_STREAM, sample_and_verify, sample_keys, sampler_mesh
 
 SCHEMA = pa.schema(
@@ -104,13 +104,7 @@ def pass_rates(
     load_flat_params(model, snapshot.tensors)
     if mesh is not None:
         meshlib.shard_model(model, mesh)
-    sampler = Sampler(
-        cfg.model,
-        pad_id=tok.pad_id,
-        eos_id=tok.eos_id,
-        mesh=mesh,
-        kv_token_budget=cfg.sampler.kv_token_budget,
-    )
+    sampler = make_sampler(cfg, tok, mesh)
     temperature = cfg.sampler.temperature if temperature is None else temperature
     batch_size = batch_size or cfg.eval.batch_size
     keys = sample_keys(cfg.seed, PASS_RATE_STREAM, snapshot.version, 0, len(problems), k)

@@ -63,7 +63,7 @@ from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import VERDICT_MAX_TOKENS, suffix_ids
 from tpu_jobs.losses import filter_constant_groups, overlong_penalty
 from tpu_jobs.model import init_model, load_flat_params
-from tpu_jobs.sampler import Sampler
+from tpu_jobs.samplers import make_sampler
 from tpu_jobs.sampling import (
     JUDGE_STREAM,
     ROLLOUT_STREAM,
@@ -137,13 +137,7 @@ class RolloutWorker:
         check_representable(self.problems, self.tok, run.config.model.tokenizer, "train set")
         self.mesh = mesh or sampler_mesh(self.cfg, "rollout worker")
         self.model = init_model(self.cfg.model, self.cfg.seed)
-        self.sampler = Sampler(
-            self.cfg.model,
-            pad_id=self.tok.pad_id,
-            eos_id=self.tok.eos_id,
-            mesh=self.mesh,
-            kv_token_budget=self.cfg.sampler.kv_token_budget,
-        )
+        self.sampler = make_sampler(self.cfg, self.tok, self.mesh)
         self.version: int | None = None
         # The snapshot of `version` as pulled: the next version is rebuilt from it with
         # the deltas in between (pipeline/paramserver.py).

@@ -91,7 +91,7 @@ class StubSampler:
 def test_pass_rates_count_correct_samples_per_problem(run_with_weights, monkeypatch):
     run, problems, _ = run_with_weights
     StubSampler.problems = problems
-    monkeypatch.setattr(pr, "Sampler", StubSampler)
+    monkeypatch.setattr(pr, "make_sampler", lambda cfg, tok, mesh: StubSampler(cfg.model, 0, 2))
     k = 5
     table = pr.pass_rates(
         run, problems, k, None, batch_size=7, log=lambda *_: None

@@ -1,0 +1,956 @@
+"""A continuous-batching rollout engine: a fixed number of slots over a paged KV cache,
+decode in jitted chunks, refill between chunks, one prefill per prompt group, stop
+sequences and resumable requests. The default sampler of every job that samples
+(`tpu_jobs.samplers`); `tpu_jobs.sampler.Sampler` (one static batch until its longest
+row ends) is the reference it is tested against.
+
+How a call runs (`Engine.run`; `Engine.generate` is the static sampler's interface):
+
+* Requests wait in a FIFO queue. Fresh requests with the same prompt form a *group*
+  (the G samples of a prompt): the prompt is prefilled once, into pages the group's
+  members share (`tpu_jobs.kv_pages`); each member copies only the prompt's last,
+  partial page, which it goes on writing. The prefill runs the LM head at each row's
+  last position only.
+* Between decode chunks, free slots are refilled from the queue: one batched prefill
+  (`_extend`) of the new groups and requests, then one program (`_admit`) that copies the
+  partial pages and samples each admitted row's first token.
+* A decode chunk (`_decode`) runs `chunk` steps of the live rows as one jitted program of
+  static shape: rows padded up to a slot bucket, the block table up to a page bucket, so
+  a chunk's cost follows the rows still running and their lengths, and each bucket
+  compiles once. It gathers the rows' pages once, steps on the contiguous copy and
+  writes the chunk's new keys/values back to the pages. A row that emits EOS or reaches its token limit stops writing (its
+  writes go to the trash page); stop sequences are found on the host after the chunk,
+  and the tokens after one are dropped.
+* Pages are allocated as rows grow. When the pool (the token budget) runs out, the
+  most recently admitted row is preempted: its pages are freed and it is queued again
+  with its whole history, to be prefilled when pages are free (recompute, as vLLM
+  does). A request that cannot fit the budget on its own is refused up front.
+* `keep=True` parks a finished request with its pages; `Resume(handle, tokens)` appends
+  tokens (a tool's output) and continues from its cache.
+
+Reproducibility. Row r's token at sample index s is argmax(filtered logits +
+gumbel(fold_in(key_r, s))), the static sampler's draw, and its logits depend only on its
+own tokens (attention reads only its own pages). So a row's tokens depend on its key, its
+prompt and the weights, not on its slot, its chunk's other rows, or preemptions, up to
+float rounding between shape buckets (as for the static sampler), which on the tests'
+models leaves the tokens identical. The schedule itself is a deterministic function of
+the requests, so a batch is the same however often it is made (on one machine kind).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pipeline.config import ModelConfig
+from tpu_jobs import mesh as meshlib
+from tpu_jobs.kv_pages import (
+    PAGED_ATTENTION,
+    PagedKV,
+    PagedLayer,
+    PagePool,
+    PoolExhausted,
+    RowsLayer,
+    copy_pages,
+    gather_rows,
+    init_pages,
+    page_bytes,
+    scatter_rows,
+)
+from tpu_jobs.model import DTYPES, Transformer, rope_tables
+from tpu_jobs.sampler import (
+    DEFAULT_PROMPT_BUCKETS,
+    NOISE_BUDGET,
+    SampleResult,
+    _as_keys,
+    _cast_state,
+    bucket,
+    sample_step,
+)
+
+STOP_REASONS = ("eos", "stop", "length")
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class Request:
+    """Sample up to `max_new_tokens` tokens after `prompt` with `key` (a typed PRNG key
+    or uint32 key data [2]). The token of sample index s uses fold_in(key, s), s from
+    `first_step`. Stops at EOS, at the token limit, or after any of `stop` (token
+    sequences) or `stop_strings` (needs the engine's `detokenize`); the stop tokens are
+    part of the completion. `keep`: park the request with its cache when it stops, so a
+    `Resume` can continue it."""
+
+    prompt: Sequence[int]
+    key: jax.Array | np.ndarray
+    max_new_tokens: int
+    stop: Sequence[Sequence[int]] = ()
+    stop_strings: Sequence[str] = ()
+    first_step: int = 0
+    keep: bool = False
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Continue parked request `handle`: append `tokens` (e.g. a tool's output; not
+    sampled, no log-probs) and sample up to `max_new_tokens` more, continuing the
+    request's sample indices. Same stop rules as `Request`."""
+
+    handle: int
+    tokens: Sequence[int]
+    max_new_tokens: int
+    stop: Sequence[Sequence[int]] = ()
+    stop_strings: Sequence[str] = ()
+    keep: bool = False
+
+
+@dataclass
+class Completion:
+    """One request's (or turn's) sampled tokens and their log-probs; `stop_reason` in
+    STOP_REASONS; `handle` when parked (resumable), else None."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+    handle: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Ended by EOS or a stop sequence (not by the token limit)."""
+        return self.stop_reason != "length"
+
+
+@dataclass(eq=False)
+class _Seq:
+    """A request in flight. Invariant while it holds a slot: the KV of history[:cached]
+    is in its pages, and history[-1] (its last sampled token) is the next to feed."""
+
+    index: int
+    key: np.ndarray  # uint32 key data
+    history: list[int]
+    left: int  # tokens it may still sample
+    step: int  # sample index of its next token
+    stop: tuple[tuple[int, ...], ...]
+    stop_strings: tuple[str, ...]
+    keep: bool
+    pages: list[int] = field(default_factory=list)
+    cached: int = 0
+    out: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    reason: str | None = None
+    group: _Group | None = None
+    logits: jax.Array | None = None  # [V] after its prefill, until its first token
+    handle: int | None = None  # while parked
+
+
+@dataclass(eq=False)
+class _Group:
+    """Fresh requests sharing one prompt: prefilled once into `pages` (full pages, shared,
+    plus the partial last page as a template each member copies)."""
+
+    prompt: list[int]
+    members: deque
+    pages: list[int] = field(default_factory=list)
+    logits: jax.Array | None = None  # [V] at the prompt's last position
+
+
+def _key_data(key: jax.Array | np.ndarray) -> np.ndarray:
+    """uint32 key data [2] of a typed PRNG key or of key data."""
+    if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    data = np.asarray(key)
+    if data.dtype != np.uint32 or data.shape != (2,):
+        raise ValueError(
+            f"a request key of dtype {data.dtype} and shape {data.shape} is invalid; allowed: "
+            "a typed PRNG key (jax.random.key) or uint32 key data of shape [2]"
+        )
+    return data
+
+
+def _check_request(i: int, r: Request | Resume, detokenize) -> None:
+    if r.max_new_tokens <= 0:
+        raise ValueError(f"request {i}: max_new_tokens={r.max_new_tokens}; allowed: > 0")
+    if isinstance(r, Request) and len(r.prompt) == 0:
+        raise ValueError(f"request {i}: empty prompt; allowed: >= 1 token")
+    if any(len(s) == 0 for s in r.stop) or any(not s for s in r.stop_strings):
+        raise ValueError(f"request {i}: an empty stop sequence; allowed: non-empty ones")
+    if r.stop_strings and detokenize is None:
+        raise ValueError(f"request {i} has stop_strings, but the engine has no detokenize")
+
+
+# --------------------------------------------------------------------------- programs
+
+
+def _row_noise(keys: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
+    """[B, V]: gumbel(fold_in(keys[r], steps[r])), as `sampler.step_noise` per row."""
+    return jax.vmap(lambda k, s: jax.random.gumbel(jax.random.fold_in(k, s), (vocab,)))(keys, steps)
+
+
+def _chunk_noise(keys: jax.Array, steps: jax.Array, n: int, vocab: int) -> jax.Array:
+    """[B, n, V]: row r's noise for sample indices steps[r] .. steps[r] + n - 1."""
+    offsets = jnp.arange(n, dtype=jnp.int32)
+
+    def row(key, first):
+        return jax.vmap(lambda o: jax.random.gumbel(jax.random.fold_in(key, first + o), (vocab,)))(
+            offsets
+        )
+
+    return jax.vmap(row)(keys, steps)
+
+
+def paged_hidden(
+    model: Transformer,
+    tokens: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    pages: PagedKV,
+    table: jax.Array,
+    dtype: str,
+    attention: str = "gather",
+) -> tuple[jax.Array, PagedKV]:
+    """The model's final hidden states [B, T, H] of `tokens` [B, T] at `positions`, each
+    row attending over its pages (`table` [B, P]); the tokens' keys/values are written
+    to their pages, invalid ones (`valid` False) to the trash page."""
+    size = pages.page_size
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    page_index = jnp.minimum(positions // size, table.shape[1] - 1)
+    write_page = jnp.where(valid, table[rows, page_index], pages.trash)
+    write_offset = jnp.where(valid, positions % size, 0)
+    return _layers(
+        model,
+        tokens,
+        positions,
+        pages,
+        lambda k, v: PagedLayer(k, v, table, positions, write_page, write_offset, attention),
+        dtype,
+    )
+
+
+def _layers(model, tokens, positions, kv: PagedKV, view, dtype) -> tuple[jax.Array, PagedKV]:
+    """The model's layers over tokens [B, T], each attending through `view(k, v)` of its
+    layer's keys/values in `kv` (tpu_jobs.kv_pages); (final hidden states, new kv)."""
+    x = model.embed_tokens(tokens).astype(DTYPES[dtype])
+    cos, sin = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_theta)
+    ks, vs = list(kv.k), list(kv.v)
+    for i, layer in enumerate(model.layers):
+        x, (ks[i], vs[i]) = layer(x, cos, sin, None, view(ks[i], vs[i]))
+    return model.norm(x), PagedKV(k=tuple(ks), v=tuple(vs))
+
+
+def _extend(graphdef, state, pages, tokens, start, count, table, *, dtype, attention):
+    """Feed tokens [B, T] (row b: its first count[b], at positions start[b]..) and return
+    (float32 logits [B, V] at each row's last fed token, pages)."""
+    model = nnx.merge(graphdef, state)
+    offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    positions = start[:, None] + offsets[None]
+    valid = offsets[None] < count[:, None]
+    hidden, pages = paged_hidden(model, tokens, positions, valid, pages, table, dtype, attention)
+    last = jnp.maximum(count - 1, 0)[:, None, None]
+    return model.logits(jnp.take_along_axis(hidden, last, axis=1)[:, 0]), pages
+
+
+def _admit(pages, src, dst, logits, keys, steps, temperature, top_k, top_p, **flags):
+    """Copy pages src -> dst (the members' partial prompt pages) and sample each admitted
+    row's first token from its prompt's logits: (tokens [A], log-probs [A], pages)."""
+    pages = copy_pages(pages, src, dst)
+    noise = _row_noise(keys, steps, logits.shape[-1])
+    token, logp = sample_step(logits, keys, 0, temperature, top_k, top_p, noise=noise, **flags)
+    return token, logp, pages
+
+
+def _decode(
+    graphdef,
+    state,
+    pages,
+    token,
+    pos,
+    step,
+    keys,
+    left,
+    table,
+    temperature,
+    top_k,
+    top_p,
+    *,
+    n_steps: int,
+    dtype: str,
+    attention: str,
+    use_top_k: bool,
+    use_top_p: bool,
+    eos_id: int,
+    pad_id: int,
+):
+    """`n_steps` decode steps of rows [R]: feed token (at pos), sample the next with
+    sample index `step`, while the row is live (left > 0, no EOS yet). Returns (tokens,
+    log-probs, emitted flags, each [R, n_steps], pages)."""
+    model = nnx.merge(graphdef, state)
+    vocab = model.cfg.vocab_size
+    sample = functools.partial(
+        sample_step,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        use_top_k=use_top_k,
+        use_top_p=use_top_p,
+    )
+    noise_all = None
+    if token.shape[0] * n_steps * vocab <= NOISE_BUDGET:
+        # Live rows' sample indices run step .. step + n_steps - 1: one vectorised draw.
+        noise_all = jax.lax.optimization_barrier(_chunk_noise(keys, step, n_steps, vocab))
+
+    # The rows' pages gathered once per chunk into contiguous copies, which the steps
+    # update in place; the chunk's new keys/values are written back to the pages at the
+    # end. Gathering at every step copied the rows' whole cache per step (~2x the step).
+    start = pos
+
+    def body(carry, c):
+        rows, token, pos, step, left, live = carry
+        hidden, rows = _layers(
+            model,
+            token[:, None],
+            pos[:, None],
+            rows,
+            lambda k, v: RowsLayer(k, v, pos[:, None]),
+            dtype,
+        )
+        noise = _row_noise(keys, step, vocab) if noise_all is None else noise_all[:, c]
+        new, logp = sample(model.logits(hidden[:, 0]), keys, 0, noise=noise)
+        new = jnp.where(live, new, pad_id)
+        logp = jnp.where(live, logp, 0.0)
+        inc = live.astype(jnp.int32)
+        left = left - inc
+        carry = (rows, jnp.where(live, new, token), pos + inc, step + inc, left)
+        return (*carry, live & (new != eos_id) & (left > 0)), (new, logp, live)
+
+    init = (gather_rows(pages, table), token, pos, step, left, left > 0)
+    carry, (tokens, logps, emitted) = jax.lax.scan(body, init, jnp.arange(n_steps))
+    written = start[:, None] + jnp.arange(n_steps, dtype=jnp.int32)[None]  # fed at step c
+    pages = scatter_rows(pages, carry[0], table, written, emitted.T)
+    return tokens.T, logps.T, emitted.T, pages
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def _powers(base: int, top: int) -> tuple[int, ...]:
+    """1, base, base^2, ... below `top`, then `top`."""
+    out, b = [], 1
+    while b < top:
+        out.append(b)
+        b *= base
+    return (*out, top)
+
+
+# Block-table widths (pages) that compile: powers of two, so attention reads at most
+# twice the pages of the longest live row.
+PAGE_BUCKETS = _powers(2, 1 << 20)
+MIN_WIDTH = 64  # tokens: the narrowest block table a decode chunk compiles for
+# Jitted programs by (function, graphdef, mesh, static settings), shared by the engines of
+# a process: another Engine of the same model and settings compiles nothing new.
+_PROGRAMS: dict[tuple, Callable] = {}
+
+
+class Engine:
+    """Continuous batching over `max_slots` slots and a paged KV cache (module docstring).
+
+    `kv_tokens`: the token budget of the page pool (rounded down to whole pages); None:
+    max_slots rows of the model's max_seq_len (and a page each), so that no row is ever
+    preempted. `row_buckets`: the row counts a chunk or prefill compiles for (None: powers
+    of 4 from 4 up to max_slots). `chunk`: decode steps per jitted chunk
+    (more: fewer host round trips; fewer: less work past a row's end). `detokenize`:
+    token ids -> text, needed for `stop_strings`. `mesh`: weights are placed by the
+    mesh's rules and the pool is replicated on it (the slots are not split over the
+    data axis yet, docs/scaling.md). `check`: verify the pool's reference counts against
+    the rows after every chunk (tests)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        pad_id: int = 0,
+        eos_id: int = 2,
+        max_slots: int = 64,
+        kv_tokens: int | None = None,
+        page_size: int = 16,
+        chunk: int = 8,
+        prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS,
+        row_buckets: Sequence[int] | None = None,
+        attention: str = "gather",
+        detokenize: Callable[[list[int]], str] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        check: bool = False,
+    ):
+        for name, value in (("max_slots", max_slots), ("page_size", page_size), ("chunk", chunk)):
+            if int(value) <= 0:
+                raise ValueError(f"{name}={value} is invalid; allowed: a positive integer")
+        if kv_tokens is not None and kv_tokens < page_size:
+            raise ValueError(
+                f"kv_tokens={kv_tokens} is invalid; allowed: None (sized per call) or at "
+                f"least one page ({page_size} tokens)"
+            )
+        if attention not in PAGED_ATTENTION:
+            raise ValueError(
+                f"attention={attention!r} is invalid; allowed: "
+                + ", ".join(map(repr, PAGED_ATTENTION))
+            )
+        self.cfg = cfg
+        self.pad_id, self.eos_id = int(pad_id), int(eos_id)
+        self.max_slots, self.page_size, self.chunk = int(max_slots), int(page_size), int(chunk)
+        # The pool's size is fixed: its shape is part of every program's.
+        self.kv_tokens = kv_tokens or max_slots * (cfg.max_seq_len + page_size)
+        self.num_pages = self.kv_tokens // self.page_size
+        self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
+        # Rows of a chunk or a prefill: powers of 4 up to max_slots (a chunk of 3 live rows
+        # runs 4; of 5, 16): fewer programs to compile than powers of 2, for a few idle rows.
+        default_rows = tuple(b for b in _powers(4, self.max_slots) if b >= min(4, self.max_slots))
+        self.slot_buckets = tuple(sorted(row_buckets or default_rows))
+        if self.slot_buckets[-1] < self.max_slots or self.slot_buckets[0] <= 0:
+            raise ValueError(
+                f"row_buckets={row_buckets!r} is invalid; allowed: positive sizes, the "
+                f"largest at least max_slots={max_slots}"
+            )
+        self.attention = attention
+        self.detokenize = detokenize
+        self.mesh = mesh
+        self.check = check
+        self.pool: PagePool | None = None
+        self.pages: PagedKV | None = None
+        self._pages_key: tuple | None = None
+        self._parked: dict[int, _Seq] = {}
+        self._next_handle = 0
+        self._weights: tuple | None = None  # (dtype, given leaves, graphdef, state)
+        self._programs: dict[tuple, Callable] = {}  # the ones this engine used
+        self.stats: dict[str, int] = {}
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _program(self, fn: Callable, donate: int, graphdef=None, **static) -> Callable:
+        """The jitted `fn` (with the model's graphdef bound first, if given) for these
+        static settings; `donate`: the index of the pages argument (updated in place)."""
+        fast = (fn.__name__, *sorted(static.items()))  # this call's graphdef: hashing it is slow
+        if fast in self._run["programs"]:
+            return self._run["programs"][fast]
+        key = (fn.__name__, graphdef, self.mesh, *sorted(static.items()))
+        if key not in _PROGRAMS:
+            bound = fn if graphdef is None else functools.partial(fn, graphdef)
+            _PROGRAMS[key] = jax.jit(functools.partial(bound, **static), donate_argnums=donate)
+        self._programs[key] = self._run["programs"][fast] = _PROGRAMS[key]
+        return self._programs[key]
+
+    @property
+    def compile_count(self) -> int:
+        """Programs compiled so far for the settings this engine used (one per bucket)."""
+        return sum(p._cache_size() for p in self._programs.values())
+
+    def _state(self, model: Transformer, dtype: str) -> tuple[nnx.GraphDef, nnx.State]:
+        """The weights in the compute dtype, placed on the mesh; cast once per weight
+        version (new arrays) and dtype."""
+        graphdef, state = nnx.split(model)
+        given = jax.tree.leaves(state)
+        hit = self._weights
+        if (
+            hit is not None
+            and hit[0] == dtype
+            and len(hit[1]) == len(given)
+            and all(a is b for a, b in zip(hit[1], given, strict=True))
+        ):
+            return hit[2], hit[3]
+        self._weights = None
+        if self.mesh is not None:
+            state = meshlib.shard_tree(state, self.mesh)
+        if dtype != "float32":
+            state = jax.jit(functools.partial(_cast_state, dtype=dtype))(state)
+        self._weights = (dtype, given, graphdef, state)
+        return graphdef, state
+
+    def _put(self, x):
+        """Host arrays onto the engine's device(s): replicated on the mesh, if any."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(
+            x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        )
+
+    def _pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def _ensure_pool(self, num_pages: int, dtype: str) -> None:
+        key = (num_pages, dtype)
+        if self._pages_key == key:
+            return
+        if self._parked:
+            raise ValueError(
+                "the page pool cannot change size or dtype while requests are parked; "
+                f"release handles {sorted(self._parked)} first (or keep dtype and kv_tokens)"
+            )
+        self.pages = None  # free the old pool first
+        pages = init_pages(self.cfg, num_pages, self.page_size, dtype)
+        self.pages = pages if self.mesh is None else self._put(pages)
+        self.pool = PagePool(num_pages)
+        self._pages_key = key
+
+    @property
+    def page_bytes(self) -> int:
+        dtype = self._pages_key[1] if self._pages_key else "float32"
+        return page_bytes(self.cfg, self.page_size, dtype)
+
+    def release(self, handle: int) -> None:
+        """Free a parked request's pages."""
+        seq = self._parked.pop(handle, None)
+        if seq is None:
+            raise ValueError(f"handle {handle} is not parked; parked: {sorted(self._parked)}")
+        self.pool.release(seq.pages)
+
+    # ----------------------------------------------------------------- the sampler's interface
+
+    def generate(
+        self,
+        model: Transformer,
+        prompts: list[list[int]],
+        keys: jax.Array,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        dtype: str = "float32",
+    ) -> SampleResult:
+        """`tpu_jobs.sampler.Sampler.generate`'s contract, through `run`."""
+        n = len(prompts)
+        if n == 0 or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        data = np.asarray(jax.random.key_data(_as_keys(keys, n)))
+        done = self.run(
+            model,
+            [Request(p, data[i], max_new_tokens) for i, p in enumerate(prompts)],
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            dtype=dtype,
+        )
+        tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
+        logprobs = np.zeros((n, max_new_tokens), np.float32)
+        for i, c in enumerate(done):
+            tokens[i, : len(c.tokens)] = c.tokens
+            logprobs[i, : len(c.logprobs)] = c.logprobs
+        return SampleResult(
+            tokens=tokens,
+            logprobs=logprobs,
+            lengths=np.asarray([len(c.tokens) for c in done], np.int32),
+            finished=np.asarray([c.stop_reason == "eos" for c in done], np.bool_),
+        )
+
+    # ----------------------------------------------------------------- requests -> rows
+
+    def _check_args(self, max_new: int, temperature: float, top_k: int, top_p: float, dtype):
+        if max_new <= 0:
+            raise ValueError(f"max_new_tokens={max_new} is invalid; allowed: > 0")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} is invalid; allowed: >= 0 (0: greedy)")
+        if top_k < 0:
+            raise ValueError(f"top_k={top_k} is invalid; allowed: >= 0 (0: off)")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p={top_p} is invalid; allowed: (0, 1] (1: off)")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
+
+    def _seqs(self, requests: Sequence[Request | Resume], dtype: str) -> list[_Seq]:
+        """One _Seq per request (a Resume takes its parked one), once every request is
+        checked and the pool sized."""
+        needs = []
+        for i, r in enumerate(requests):
+            _check_request(i, r, self.detokenize)
+            base = (
+                len(r.prompt)
+                if isinstance(r, Request)
+                else len(self._parked_seq(r.handle).history) + len(r.tokens)
+            )
+            needs.append(base + r.max_new_tokens)
+        handles = [r.handle for r in requests if isinstance(r, Resume)]
+        if len(set(handles)) != len(handles):
+            raise ValueError(f"a handle is resumed twice in one call: {sorted(handles)}")
+        num_pages = self.num_pages
+        for i, need in enumerate(needs):
+            if self._pages_for(need) + 1 > num_pages:
+                raise ValueError(
+                    f"request {i} needs {need} tokens of KV cache (its history + "
+                    f"max_new_tokens), more than the budget of {num_pages * self.page_size} "
+                    f"tokens ({num_pages} pages of {self.page_size}, one kept for sharing); "
+                    "raise kv_tokens or shorten the request"
+                )
+        self._ensure_pool(num_pages, dtype)
+        seqs = []
+        for i, r in enumerate(requests):
+            stop = tuple(tuple(int(t) for t in s) for s in r.stop)
+            if isinstance(r, Resume):
+                seq = self._parked.pop(r.handle)
+                seq.history = seq.history + [int(t) for t in r.tokens]
+                seq.index, seq.left, seq.keep, seq.reason = i, r.max_new_tokens, r.keep, None
+                seq.stop, seq.stop_strings = stop, tuple(r.stop_strings)
+                seq.out, seq.logps, seq.handle = [], [], None
+            else:
+                seq = _Seq(
+                    index=i,
+                    key=_key_data(r.key),
+                    history=[int(t) for t in r.prompt],
+                    left=r.max_new_tokens,
+                    step=r.first_step,
+                    stop=stop,
+                    stop_strings=tuple(r.stop_strings),
+                    keep=r.keep,
+                )
+            seqs.append(seq)
+        return seqs
+
+    def _parked_seq(self, handle: int) -> _Seq:
+        if handle not in self._parked:
+            raise ValueError(f"handle {handle} is not parked; parked: {sorted(self._parked)}")
+        return self._parked[handle]
+
+    # ----------------------------------------------------------------- the loop
+
+    def run(
+        self,
+        model: Transformer,
+        requests: Sequence[Request | Resume],
+        *,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        dtype: str = "float32",
+    ) -> list[Completion]:
+        """Serve `requests` to the end; one Completion per request, in order."""
+        if not requests:
+            return []
+        self._check_args(min(r.max_new_tokens for r in requests), temperature, top_k, top_p, dtype)
+        seqs = self._seqs(requests, dtype)
+        graphdef, state = self._state(model, dtype)
+        self._run = dict(
+            graphdef=graphdef,
+            state=state,
+            dtype=dtype,
+            sampling=(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p)),
+            flags=dict(use_top_k=top_k > 0, use_top_p=top_p < 1.0),
+            programs={},
+        )
+        self.stats = dict(
+            prefill_rows=0,
+            prefill_tokens=0,
+            decode_row_steps=0,
+            sampled_tokens=0,
+            preemptions=0,
+            chunks=0,
+            peak_pages=0,
+        )
+        self.pool.peak_in_use = self.pool.in_use
+        queue: deque = deque()
+        groups: dict[tuple[int, ...], _Group] = {}
+        for seq in seqs:
+            if seq.cached == 0 and not seq.pages:
+                key = tuple(seq.history)
+                if key not in groups:
+                    groups[key] = _Group(prompt=list(seq.history), members=deque())
+                    queue.append(groups[key])
+                groups[key].members.append(seq)
+                seq.group = groups[key]
+            else:
+                queue.append(seq)
+        slots: list[_Seq | None] = [None] * self.max_slots
+        admitted: list[_Seq] = []  # live rows in admission order (preemption: newest first)
+        try:
+            while queue or admitted:
+                self._refill(queue, slots, admitted)
+                if not admitted:
+                    raise AssertionError("no row could be admitted although every request fits")
+                self._grow(queue, slots, admitted)
+                self._decode_chunk(slots, admitted)
+                if self.check:
+                    self._check_pool(queue, admitted)
+        except BaseException:
+            self._abandon(queue, admitted)
+            raise
+        self.stats["peak_pages"] = self.pool.peak_in_use
+        out = [None] * len(seqs)
+        for seq in seqs:
+            out[seq.index] = Completion(seq.out, seq.logps, seq.reason, seq.handle)
+        return out
+
+    def _abandon(self, queue, admitted) -> None:
+        """After an error: free every page this call holds (parked requests keep theirs)."""
+        for seq in admitted:
+            self.pool.release(seq.pages)
+            seq.pages = []
+        for unit in queue:
+            if isinstance(unit, _Group) and unit.pages:
+                self.pool.release(unit.pages)
+                unit.pages = []
+
+    def _check_pool(self, queue, admitted) -> None:
+        holders = [s.pages for s in admitted] + [s.pages for s in self._parked.values()]
+        holders += [u.pages for u in queue if isinstance(u, _Group)]
+        self.pool.check(holders)
+
+    def _live_need(self, admitted: list[_Seq]) -> int:
+        """Pages the live rows still need for their next chunk."""
+        return sum(self._growth(s) for s in admitted)
+
+    def _growth(self, seq: _Seq) -> int:
+        fed = len(seq.history) - 1 + min(self.chunk, seq.left)  # positions written by then
+        return max(0, self._pages_for(fed) - len(seq.pages))
+
+    def _refill(self, queue: deque, slots: list, admitted: list[_Seq]) -> None:
+        """Admit queued rows into free slots (FIFO, while pages last): one prefill of the
+        new prompts and requests, then one program that copies partial pages and samples
+        the admitted rows' first tokens."""
+        free_slots = [i for i, s in enumerate(slots) if s is None]
+        reserve = self._live_need(admitted)
+        prefill: list[tuple[object, list[int], int, list[int]]] = []  # (unit, tokens, start, pages)
+        entering: list[tuple[_Seq, object]] = []  # (row, its logits source)
+        copies: list[tuple[int, int]] = []
+        size = self.page_size
+        for unit in queue:
+            if not free_slots:
+                break
+            if isinstance(unit, _Group):
+                p = len(unit.prompt)
+                partial = p % size != 0
+                if not unit.pages:
+                    cost = self._pages_for(p)
+                    if self.pool.num_free - reserve < cost:
+                        break
+                    unit.pages = self.pool.alloc(cost)
+                    prefill.append((unit, unit.prompt, 0, unit.pages))
+                n_full = p // size
+                blocked = False
+                while unit.members and free_slots:
+                    seq = unit.members[0]
+                    grow = self._pages_for(p + min(self.chunk, seq.left)) - n_full
+                    if self.pool.num_free - reserve < grow:
+                        blocked = True
+                        break
+                    unit.members.popleft()
+                    self.pool.share(unit.pages[:n_full])
+                    seq.pages = unit.pages[:n_full]
+                    if partial:
+                        own = self.pool.alloc(1)[0]
+                        copies.append((unit.pages[-1], own))
+                        seq.pages = seq.pages + [own]
+                        grow -= 1
+                    reserve += grow
+                    seq.cached = p
+                    entering.append((seq, unit))
+                    slots[free_slots.pop(0)] = seq
+                if blocked:
+                    break
+            else:
+                seq = unit
+                fed = len(seq.history)
+                cost = self._pages_for(fed) - len(seq.pages)
+                grow = self._pages_for(fed - 1 + min(self.chunk, seq.left)) - self._pages_for(fed)
+                if self.pool.num_free - reserve < cost + max(grow, 0):
+                    break
+                seq.pages = seq.pages + self.pool.alloc(cost)
+                reserve += max(grow, 0)
+                prefill.append((seq, seq.history[seq.cached :], seq.cached, seq.pages))
+                entering.append((seq, seq))
+                slots[free_slots.pop(0)] = seq
+        while queue and (
+            (isinstance(queue[0], _Group) and not queue[0].members)
+            or (isinstance(queue[0], _Seq) and any(seq is queue[0] for seq, _ in entering))
+        ):
+            unit = queue.popleft()
+            if isinstance(unit, _Group):
+                self.pool.release(unit.pages)  # its members hold their own references
+                unit.pages = []
+        if prefill:
+            self._prefill(prefill)
+        if entering:
+            self._enter(entering, copies)
+            admitted.extend(seq for seq, _ in entering)
+
+    def _prefill(self, rows: list[tuple[object, list[int], int, list[int]]]) -> None:
+        """One `_extend` call over the rows; each unit's logits are kept for `_enter`."""
+        run = self._run
+        b = bucket(len(rows), self.slot_buckets)
+        t = bucket(max(len(tok) for _, tok, _, _ in rows), self.prompt_buckets)
+        # The table's width follows the token bucket (fresh prompts: one width per bucket).
+        width = max(max(len(pg), self._pages_for(s + t)) for _, _, s, pg in rows)
+        width = bucket(width, PAGE_BUCKETS)
+        trash = self.pages.trash
+        tokens = np.full((b, t), self.pad_id, np.int32)
+        start = np.zeros(b, np.int32)
+        count = np.zeros(b, np.int32)
+        table = np.full((b, width), trash, np.int32)
+        for r, (_, tok, s, pg) in enumerate(rows):
+            tokens[r, : len(tok)] = tok
+            start[r], count[r] = s, len(tok)
+            table[r, : len(pg)] = pg
+        fn = self._program(
+            _extend, 1, run["graphdef"], dtype=run["dtype"], attention=self.attention
+        )
+        logits, self.pages = fn(
+            run["state"], self.pages, *map(self._put, (tokens, start, count, table))
+        )
+        for r, (unit, tok, _, _) in enumerate(rows):
+            unit.logits = logits[r]
+            self.stats["prefill_rows"] += 1
+            self.stats["prefill_tokens"] += len(tok)
+
+    def _keys(self, seqs: Sequence[_Seq], n: int) -> jax.Array:
+        data = np.zeros((n, *seqs[0].key.shape), np.uint32)
+        for r, s in enumerate(seqs):
+            data[r] = s.key
+        data[len(seqs) :] = data[0]
+        return jax.random.wrap_key_data(self._put(data))
+
+    def _enter(self, entering: list[tuple[_Seq, object]], copies: list[tuple[int, int]]) -> None:
+        """Copy the members' partial pages and sample every entering row's first token."""
+        run = self._run
+        a = bucket(len(entering), self.slot_buckets)
+        trash = self.pages.trash
+        src = np.full(a, trash, np.int32)
+        dst = np.full(a, trash, np.int32)
+        for i, (s, d) in enumerate(copies):
+            src[i], dst[i] = s, d
+        seqs = [seq for seq, _ in entering]
+        logits = [source.logits for _, source in entering]
+        logits = jnp.stack(logits + [logits[0]] * (a - len(logits)))
+        steps = np.zeros(a, np.int32)
+        steps[: len(seqs)] = [s.step for s in seqs]
+        fn = self._program(_admit, 0, **run["flags"])
+        token, logp, self.pages = fn(
+            self.pages,
+            self._put(src),
+            self._put(dst),
+            logits,
+            self._keys(seqs, a),
+            self._put(steps),
+            *run["sampling"],
+        )
+        token, logp = jax.device_get((token, logp))
+        for r, seq in enumerate(seqs):
+            seq.cached = len(seq.history)
+            seq.group = None
+            self._emit(seq, [int(token[r])], [float(logp[r])])
+        for seq, _ in entering:  # a prefilled request no longer needs its logits
+            seq.logits = None
+
+    def _emit(self, seq: _Seq, tokens: list[int], logps: list[float]) -> None:
+        """Append sampled tokens to a row, stopping at EOS, a stop sequence or the limit."""
+        for tok, lp in zip(tokens, logps, strict=True):
+            seq.history.append(tok)
+            seq.out.append(tok)
+            seq.logps.append(lp)
+            seq.step += 1
+            seq.left -= 1
+            self.stats["sampled_tokens"] += 1
+            if tok == self.eos_id:
+                seq.reason = "eos"
+            elif self._stopped(seq):
+                seq.reason = "stop"
+            elif seq.left == 0:
+                seq.reason = "length"
+            if seq.reason is not None:
+                return
+
+    def _stopped(self, seq: _Seq) -> bool:
+        out = seq.out
+        if any(len(out) >= len(s) and tuple(out[-len(s) :]) == s for s in seq.stop):
+            return True
+        if seq.stop_strings:
+            text = self.detokenize(out)
+            return any(s in text for s in seq.stop_strings)
+        return False
+
+    def _grow(self, queue: deque, slots: list, admitted: list[_Seq]) -> None:
+        """Give every live row the pages its next chunk writes; when the pool is out,
+        preempt the newest row (its pages freed, queued first again with its history)."""
+        for seq in list(admitted):
+            if seq.reason is not None or seq not in admitted:
+                continue
+            while True:
+                need = self._growth(seq)
+                try:
+                    seq.pages = seq.pages + self.pool.alloc(need)
+                    break
+                except PoolExhausted:
+                    victim = admitted[-1]
+                    self._preempt(victim, queue, slots, admitted)
+                    if victim is seq:
+                        break
+
+    def _preempt(self, seq: _Seq, queue: deque, slots: list, admitted: list[_Seq]) -> None:
+        admitted.remove(seq)
+        slots[slots.index(seq)] = None
+        self.pool.release(seq.pages)
+        seq.pages, seq.cached = [], 0
+        queue.appendleft(seq)
+        self.stats["preemptions"] += 1
+
+    def _decode_chunk(self, slots: list, admitted: list[_Seq]) -> None:
+        """One jitted chunk over the live rows, then retire the rows that stopped."""
+        live = [s for s in slots if s is not None and s.reason is None]
+        if live:
+            run = self._run
+            r = bucket(len(live), self.slot_buckets)
+            # At least MIN_WIDTH tokens (and the smallest prompt bucket): short rows share
+            # one program (attention over a few dozen extra keys costs next to nothing).
+            floor = max(MIN_WIDTH, self.prompt_buckets[0])
+            width = max(max(len(s.pages) for s in live), self._pages_for(floor))
+            width = bucket(width, PAGE_BUCKETS)
+            trash = self.pages.trash
+            token = np.full(r, self.pad_id, np.int32)
+            pos = np.zeros(r, np.int32)
+            step = np.zeros(r, np.int32)
+            left = np.zeros(r, np.int32)
+            table = np.full((r, width), trash, np.int32)
+            for i, s in enumerate(live):
+                token[i], pos[i], step[i] = s.history[-1], len(s.history) - 1, s.step
+                left[i] = s.left
+                table[i, : len(s.pages)] = s.pages
+            fn = self._program(
+                _decode,
+                1,
+                run["graphdef"],
+                n_steps=self.chunk,
+                dtype=run["dtype"],
+                attention=self.attention,
+                eos_id=self.eos_id,
+                pad_id=self.pad_id,
+                **run["flags"],
+            )
+            tokens, logps, emitted, self.pages = fn(
+                run["state"],
+                self.pages,
+                *map(self._put, (token, pos, step)),
+                self._keys(live, r),
+                *map(self._put, (left, table)),
+                *run["sampling"],
+            )
+            tokens, logps, emitted = jax.device_get((tokens, logps, emitted))
+            self.stats["chunks"] += 1
+            self.stats["decode_row_steps"] += r * self.chunk
+            for i, s in enumerate(live):
+                n = int(emitted[i].sum())
+                self._emit(s, tokens[i, :n].tolist(), logps[i, :n].tolist())
+                s.cached = len(s.history) - 1
+        for i, s in enumerate(slots):
+            if s is not None and s.reason is not None:
+                slots[i] = None
+                admitted.remove(s)
+                if s.keep:  # parked with its pages until resumed or released
+                    s.handle = self._next_handle
+                    self._next_handle += 1
+                    self._parked[s.handle] = s
+                else:
+                    self.pool.release(s.pages)
+                    s.pages = []

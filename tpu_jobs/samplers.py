@@ -1,0 +1,56 @@
+"""The sampler of a run by name (`sampler.engine`): every job that samples (rollout
+worker, evaluator, pass-rate job) builds it here, so they all generate the same way.
+
+A sampler has `generate(model, prompts, keys, *, max_new_tokens, temperature, top_k,
+top_p, dtype) -> tpu_jobs.sampler.SampleResult`, `pad_id` and `eos_id`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from pipeline.config import SAMPLER_ENGINES, RunConfig
+from pipeline.tokenizer import Tokenizer
+from tpu_jobs.engine import Engine
+from tpu_jobs.sampler import Sampler
+
+
+def _static(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None) -> Sampler:
+    return Sampler(
+        cfg.model,
+        pad_id=tok.pad_id,
+        eos_id=tok.eos_id,
+        mesh=mesh,
+        kv_token_budget=cfg.sampler.kv_token_budget,
+    )
+
+
+def _engine(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None) -> Engine:
+    sc = cfg.sampler
+    return Engine(
+        cfg.model,
+        pad_id=tok.pad_id,
+        eos_id=tok.eos_id,
+        max_slots=sc.slots,
+        kv_tokens=sc.kv_token_budget or None,
+        page_size=sc.page_size,
+        chunk=sc.decode_chunk,
+        detokenize=tok.decode,
+        mesh=mesh,
+    )
+
+
+# sampler.engine -> (run config, tokenizer, sampler mesh or None) -> a sampler.
+SAMPLERS: dict[str, Callable[[RunConfig, Tokenizer, Any], Any]] = {
+    "jax": _engine,
+    "static": _static,
+}
+assert set(SAMPLERS) == set(SAMPLER_ENGINES), "pipeline.config.SAMPLER_ENGINES is out of date"
+
+
+def make_sampler(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None = None) -> Any:
+    """The sampler `cfg.sampler.engine` names, for `tok`'s special ids, on `mesh`."""
+    return SAMPLERS[cfg.sampler.engine](cfg, tok, mesh)
