@@ -72,6 +72,7 @@ from tpu_jobs.sampler import (
     _as_keys,
     _cast_state,
     bucket,
+    check_sampling_args,
     sample_step,
 )
 
@@ -551,18 +552,6 @@ class Engine:
 
     # ----------------------------------------------------------------- requests -> rows
 
-    def _check_args(self, max_new: int, temperature: float, top_k: int, top_p: float, dtype):
-        if max_new <= 0:
-            raise ValueError(f"max_new_tokens={max_new} is invalid; allowed: > 0")
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} is invalid; allowed: >= 0 (0: greedy)")
-        if top_k < 0:
-            raise ValueError(f"top_k={top_k} is invalid; allowed: >= 0 (0: off)")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p={top_p} is invalid; allowed: (0, 1] (1: off)")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
-
     def _seqs(self, requests: Sequence[Request | Resume], dtype: str) -> list[_Seq]:
         """One _Seq per request (a Resume takes its parked one), once every request is
         checked and the pool sized."""
@@ -631,7 +620,9 @@ class Engine:
         """Serve `requests` to the end; one Completion per request, in order."""
         if not requests:
             return []
-        self._check_args(min(r.max_new_tokens for r in requests), temperature, top_k, top_p, dtype)
+        check_sampling_args(
+            min(r.max_new_tokens for r in requests), temperature, top_k, top_p, dtype
+        )
         seqs = self._seqs(requests, dtype)
         graphdef, state = self._state(model, dtype)
         self._run = dict(

@@ -64,6 +64,23 @@ class SampleResult:
     finished: np.ndarray
 
 
+def check_sampling_args(
+    max_new: int, temperature: float, top_k: int, top_p: float, dtype: str
+) -> None:
+    """Refuse settings no sampler takes, naming the value and what is allowed (the static
+    sampler and the engine share the contract)."""
+    if max_new <= 0:
+        raise ValueError(f"max_new_tokens={max_new} is invalid; allowed: > 0")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} is invalid; allowed: >= 0 (0: greedy)")
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k} is invalid; allowed: >= 0 (0: off)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} is invalid; allowed: (0, 1] (1: off)")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
+
+
 def bucket(n: int, buckets: Sequence[int]) -> int:
     """Smallest bucket >= n; beyond the largest, the next multiple of the largest."""
     for b in sorted(buckets):
@@ -447,16 +464,7 @@ class Sampler:
         n = len(prompts)
         if n == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
-        if max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens} is invalid; allowed: > 0")
-        if temperature < 0:
-            raise ValueError(f"temperature={temperature} is invalid; allowed: >= 0 (0: greedy)")
-        if top_k < 0:
-            raise ValueError(f"top_k={top_k} is invalid; allowed: >= 0 (0: off)")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p={top_p} is invalid; allowed: (0, 1] (1: off)")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
+        check_sampling_args(max_new_tokens, temperature, top_k, top_p, dtype)
         typed_keys = _as_keys(keys, n)
         pb = bucket(max(len(p) for p in prompts), self.prompt_buckets)
         nb = bucket(max_new_tokens, self.new_token_buckets)
