@@ -218,6 +218,22 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
         retried = bool(trainer_killed) and train.try_number >= 2 and train.state == "running"
         if retried and trainer_back is None and _under(stack, "airflow-worker-1", train.pid):
             trainer_back = at(f"train try {train.try_number} running on {train.hostname}")
+        # The rollout kill comes right after the trainer is back (a lease is live nearly
+        # all the time), and the database restart after it: on an idle machine the
+        # retried trainer finished its steps within the ~10 s of the restart, before a
+        # rollout kill that waited for it could land.
+        if trainer_back and rollout_killed is None:
+            assert not done, f"trainer done before a rollout kill: raise STEPS; {at.events}"
+            leases = _live_lease_soon(run)
+            if leases:
+                killed = stack_mod.Stack.load(stack.root).preempt("airflow-worker-2")
+                rollout_killed = at(
+                    f"SIGKILL Celery worker 2 ({len(killed)} processes) while "
+                    f"{sorted(le.worker_id for le in leases)} held leases"
+                )
+                stack_mod.up(stack.root, log=lambda _: None)
+                at("Celery worker 2 restarted")
+        if rollout_killed and db_restarted is None:
             airflow_pids = _airflow_pids(stack)
             t = time.monotonic()
             stack_mod.restart("postgres", stack.root, log=lambda _: None)
@@ -231,17 +247,6 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
                 f"PostgreSQL restarted in {down_s:.1f}s; the scheduler heartbeats again "
                 f"{time.monotonic() - t:.1f}s after the restart began"
             )
-        if db_restarted and rollout_killed is None:
-            assert not done, f"trainer done before a rollout kill: raise STEPS; {at.events}"
-            leases = _live_lease_soon(run)
-            if leases:
-                killed = stack_mod.Stack.load(stack.root).preempt("airflow-worker-2")
-                rollout_killed = at(
-                    f"SIGKILL Celery worker 2 ({len(killed)} processes) while "
-                    f"{sorted(le.worker_id for le in leases)} held leases"
-                )
-                stack_mod.up(stack.root, log=lambda _: None)
-                at("Celery worker 2 restarted")
         if rollout_killed and rollout_back is None:
             back = [t for t in rollouts if t.try_number >= 2 and t.state in ("running", "success")]
             if len(back) == WORKERS:
