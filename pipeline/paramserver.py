@@ -121,12 +121,20 @@ class Snapshot:
     ) -> Snapshot:
         """A complete snapshot of tensors in hand (e.g. what a trainer just published), cut
         into pieces as ``publish`` cuts them: a base for the next version's delta."""
+        axes = split_axes_of(tensors, split, parts)
         pieces = {}
         for name, arr in tensors.items():
-            axis = (split or {}).get(name) if parts > 1 else None
-            for r, piece in enumerate(weight_codec.split_pieces(arr, axis, parts)):
+            for r, piece in enumerate(weight_codec.split_pieces(arr, axes[name], parts)):
                 pieces[(name, r)] = piece
         return cls(version=version, tensors=dict(tensors), pieces=pieces)
+
+
+def split_axes_of(
+    tensors: dict[str, Any], split: dict[str, int | None] | None, parts: int
+) -> dict[str, int | None]:
+    """{name: the axis a tensor is cut along into ``parts`` pieces, or None (one piece)}:
+    ``split``'s entry, or None when there is one part or no entry."""
+    return {name: (split or {}).get(name) if parts > 1 else None for name in tensors}
 
 
 def _version_dir(version: int) -> str:
@@ -383,7 +391,7 @@ class ParamServer:
         metadata = dict(metadata or {})
         _dumps(metadata)  # fail early on metadata that is not JSON-serialisable
         arrays = {name: _check_array(name, arr) for name, arr in tensors.items()}
-        axes = {name: (split or {}).get(name) if parts > 1 else None for name in arrays}
+        axes = split_axes_of(arrays, split, parts)
         pieces = Snapshot.of(version, arrays, split, parts).pieces
         if base is not None:
             self._check_base(version, base, pieces)

@@ -540,9 +540,9 @@ class Learner:
             return self._step(params, opt_state, ref_params, inp)
 
     def _step(self, params, opt_state, ref_params, inp: StepInputs):
-        host = StepInputs(*(np.asarray(x) for x in inp))
+        host = inp  # as given (host arrays from `inputs`): what packing reads
         packing = self._pack(host)  # the whole batch's, for the whole-batch programs
-        inp = self._place_batch(StepInputs(*(jnp.asarray(x) for x in host)))
+        inp = self._place_batch(StepInputs(*(jnp.asarray(x) for x in inp)))
         logp_ref = None
         if ref_params is not None and self.needs_ref and not self.fused:
             logp_ref = self.programs.ref_logp(ref_params, inp.tokens, inp.mask, packing)
@@ -559,10 +559,12 @@ class Learner:
         pre, pre_metrics = self._prepare(outs, inp, logp_ref)
         tc = self.cfg.trainer
         # Each micro-batch is packed once per step (its rows are the same every epoch).
-        micro_packings = {
-            m0: self._pack(jax.tree.map(lambda x, m0=m0: x[m0 : m0 + self.micro_rows], host))
-            for m0 in range(0, self.rows, self.micro_rows)
-        }
+        micro_packings = {}
+        if self.cfg.trainer.pack:
+            micro_packings = {
+                m0: self._pack(StepInputs(*(x[m0 : m0 + self.micro_rows] for x in host)))
+                for m0 in range(0, self.rows, self.micro_rows)
+            }
         per_update: list[dict[str, Any]] = []
         for _ in range(tc.epochs):
             for k in range(tc.mini_batches):
@@ -580,7 +582,7 @@ class Learner:
                         self._place_batch(jax.tree.map(take, pre)),
                         None,
                         norm,
-                        micro_packings[m0],
+                        micro_packings.get(m0),
                     )
                     grads = g if grads is None else _add_trees(grads, g)
                     parts.append(jax.device_get(m))
@@ -737,13 +739,14 @@ class Trainer:
         flat = self._published_tensors(policy)
         layout = self._layout(flat)
         base = self._delta_base(version) if pc.full_every > 1 and version > 0 else None
+        full = base is None or version % pc.full_every == 0
         wrote = self.ps.publish(
             version,
             flat,
             epoch=epoch,
             metadata={"step": state.step},
             base=base,
-            full=base is None or version % pc.full_every == 0,
+            full=full,
             **layout,
         )
         # A retry of a committed version leaves its stored bits as the next base (pulled).
@@ -753,7 +756,7 @@ class Trainer:
             else None
         )
         if wrote:
-            kind = "full" if base is None or version % pc.full_every == 0 else "delta"
+            kind = "full" if full else "delta"
             self.log(f"[trainer] published v{version} (step {state.step}, {kind})")
         if self.cfg.trainer.keep_versions:
             self._retain(state, epoch)
