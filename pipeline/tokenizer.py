@@ -27,10 +27,11 @@ PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 NUM_SPECIAL = 4
 
 # Everything the task families write (digits, operators, the answer marker '#',
-# separators, lowercase letters, and '%' for the code family's modulo); one id each, in
+# separators, lowercase letters, '%' for the code family's modulo, and the backtick and
+# newline of a tool call's fences, `pipeline.tool_calls`); one id each, in
 # this order, after the specials. New characters go at the end so that the ids of the
 # others, and the snapshots trained with them, stay valid.
-CHARSET = "0123456789+-*/()=#,;:.<>? abcdefghijklmnopqrstuvwxyz%"
+CHARSET = "0123456789+-*/()=#,;:.<>? abcdefghijklmnopqrstuvwxyz%`\n"
 
 # What `decode` writes for UNK or an id outside the vocabulary (a model whose embedding
 # table is wider than the tokenizer can sample one): visible, and never a digit.

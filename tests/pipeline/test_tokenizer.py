@@ -22,7 +22,7 @@ TOK = get_tokenizer("char")
 def test_special_ids_and_vocab_size():
     assert (TOK.pad_id, TOK.bos_id, TOK.eos_id) == (0, 1, 2) == (PAD_ID, BOS_ID, EOS_ID)
     assert UNK_ID == 3
-    assert TOK.vocab_size == 4 + len(CHARSET) == 57
+    assert TOK.vocab_size == 4 + len(CHARSET) == 59
     assert TOK.vocab_size <= ModelConfig().vocab_size == 64
     ids = TOK.encode(CHARSET)
     assert ids == list(range(4, 4 + len(CHARSET)))
@@ -43,7 +43,7 @@ def test_unknown_characters_map_to_unk_and_never_raise():
     a, b = TOK.encode("a")[0], TOK.encode("b")[0]
     assert TOK.encode("a\u20acb") == [a, UNK_ID, b]  # euro sign
     assert TOK.encode("\uff11\uff12") == [UNK_ID, UNK_ID]  # full-width digits
-    assert TOK.encode("A\u200f\U0001f600\n") == [UNK_ID] * 4  # upper case, RLM, emoji, newline
+    assert TOK.encode("A\u200f\U0001f600\t") == [UNK_ID] * 4  # upper case, RLM, emoji, tab
 
 
 def test_decode_skips_specials_and_does_not_stop_at_eos():

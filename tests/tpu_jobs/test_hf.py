@@ -382,7 +382,7 @@ def make_char_level_tokenizer_dir(path: Path) -> tuple[Path, int]:
 
     specials = ["<pad>", "<s>", "</s>", "<unk>"]
     chat = ["<|im_start|>", "<|im_end|>"]
-    vocab = {t: i for i, t in enumerate([*specials, *CHARSET, "\n", *chat])}
+    vocab = {t: i for i, t in enumerate([*specials, *dict.fromkeys([*CHARSET, "\n"]), *chat])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(".|\n"), behavior="isolated")
     tok.decoder = decoders.Fuse()
