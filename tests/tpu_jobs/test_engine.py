@@ -15,7 +15,9 @@ import pytest
 from tests.tpu_jobs.test_sampler import CFG, EOS, PAD, PROMPTS, TRIGGERS, keys_for, random_model
 from tpu_jobs.engine import Engine, Request, Resume
 from tpu_jobs.kv_pages import PagePool, PoolExhausted
+from tpu_jobs.model import init_model
 from tpu_jobs.sampler import Sampler
+from tpu_jobs.vllm_sampler import VllmSampler
 
 MAX_NEW = 12
 GROUP = [1, 9, 8, 7, 6, 5]  # the shared prompt of the group rows
@@ -197,3 +199,29 @@ def test_sampler_engine_setting_picks_the_sampler():
     assert isinstance(make_sampler(load_config(None, ["sampler.engine=static"]), tok), Sampler)
     with pytest.raises(ConfigError, match="sampler.engine.*'jax', 'static'"):
         load_config(None, ["sampler.engine=sglang"])
+    # vllm: configured here, started (from its own virtualenv) by the first generate.
+    vllm = make_sampler(
+        load_config(
+            None,
+            [
+                "sampler.engine=vllm",
+                "trainer.is_correction=tis",
+                "sampler.slots=8",
+                "sampler.vllm_python=/nonexistent/python",
+                "sampler.vllm_args=[--enforce-eager]",
+            ],
+        ),
+        tok,
+    )
+    assert isinstance(vllm, VllmSampler) and vllm.server is None
+    assert vllm.args[vllm.args.index("--max-num-seqs") + 1] == "8"
+    assert vllm.args[-1] == "--enforce-eager" and vllm.eos_id == tok.eos_id
+    model = init_model(vllm.model_cfg, 0)
+    keys = jax.random.split(jax.random.key(0), 1)
+    with pytest.raises(ValueError, match="dtype='bfloat16' is invalid.*allowed: 'float32'"):
+        vllm.generate(model, [[1, 5]], keys, max_new_tokens=4, dtype="bfloat16")
+    with pytest.raises(ValueError, match="prompt 0 has 3 tokens.*model.max_seq_len=256"):
+        vllm.generate(model, [[1, 5, 6]], keys, max_new_tokens=254)
+    with pytest.raises(FileNotFoundError, match="make .venv-vllm/.installed"):
+        vllm.generate(model, [[1, 5]], keys, max_new_tokens=4)
+    vllm.close()

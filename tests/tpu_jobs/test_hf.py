@@ -170,6 +170,24 @@ def test_export_reloads_in_transformers(checkpoints, family, tmp_path):
     assert all(np.array_equal(flat[k], flat2[k]) for k in flat) and flat.keys() == flat2.keys()
 
 
+def test_untied_export_is_the_same_function(checkpoints, tmp_path):
+    """hf.untie_embeddings (the vLLM sampler's export): an LM head of its own, equal to
+    the embedding, gives transformers the tied model's logits."""
+    _, path = checkpoints["qwen2"]  # tied
+    model, cfg = hf.load_hf_model(path)
+    ucfg, uflat = hf.untie_embeddings(cfg, flat_params(model))
+    assert cfg.tie_embeddings and not ucfg.tie_embeddings
+    assert np.array_equal(uflat["lm_head.kernel"], uflat["embed_tokens.embedding"].T)
+    hf.export_hf(tmp_path / "untied", ucfg, uflat)
+    assert not json.loads((tmp_path / "untied/config.json").read_text())["tie_word_embeddings"]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "untied", attn_implementation="eager"
+    ).eval()
+    ref = hf_logits(reloaded, TOKENS, MASK)
+    assert np.abs(our_logits(model, TOKENS, MASK) - ref)[MASK.astype(bool)].max() <= 1e-4
+    assert hf.untie_embeddings(ucfg, uflat)[0] is ucfg  # untied already: unchanged
+
+
 def test_sharded_checkpoints_and_bfloat16(checkpoints, tmp_path):
     hf_model, path = checkpoints["llama"]
     hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")

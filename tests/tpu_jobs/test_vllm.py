@@ -95,7 +95,9 @@ def rows_of(out, prompts):
 
 def prefix_cache_hits(sampler) -> float:
     text = urllib.request.urlopen(sampler.server.url + "/metrics").read().decode()
-    return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{.*\} (\S+)$", text, re.M))
+    return sum(
+        float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{.*\} (\S+)$", text, re.M)
+    )
 
 
 def test_worker_batch_holds_vllm_tokens_and_logprobs(worker, tmp_path):
@@ -105,7 +107,9 @@ def test_worker_batch_holds_vllm_tokens_and_logprobs(worker, tmp_path):
     batch = worker.generate_batch(0, 0)
     assert len(batch) == 8
     assert worker.sampler.server is not None and worker.sampler.weight_updates == 0
-    ref = hf_logprobs(tmp_path, worker.model, list(zip(batch.prompt_ids, batch.completion_ids)))
+    ref = hf_logprobs(
+        tmp_path, worker.model, list(zip(batch.prompt_ids, batch.completion_ids, strict=True))
+    )
     for r in range(len(batch)):
         got = np.asarray(batch.behaviour_logprobs[r])
         assert len(got) == len(batch.completion_ids[r]) > 0
