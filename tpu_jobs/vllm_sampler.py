@@ -124,8 +124,14 @@ class VllmServer:
             *args,
         ]
         # Dev mode adds /collective_rpc and /reset_prefix_cache (the in-place weight update);
-        # the server listens on 127.0.0.1 only.
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        # the server listens on 127.0.0.1 only. Nothing is downloaded at run time: the model
+        # is a local directory, and vLLM's usage reports are off.
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "HF_HUB_OFFLINE": "1",
+        }
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd,
