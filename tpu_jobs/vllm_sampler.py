@@ -45,7 +45,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -219,7 +219,8 @@ class VllmSampler:
     `model`: the run's ModelConfig (the exported architecture); `dtype`: vLLM's compute
     dtype, fixed when the server starts; `max_slots`: its `--max-num-seqs`;
     `kv_token_budget` (> 0): its KV cache in tokens (`--kv-cache-memory-bytes`);
-    `python`: vLLM's interpreter; `args`: more server arguments."""
+    `python`: vLLM's interpreter; `args`: more server arguments; `log`: where the server's
+    start and each reload are reported."""
 
     def __init__(
         self,
@@ -232,8 +233,10 @@ class VllmSampler:
         kv_token_budget: int = 0,
         python: str | Path = "",
         args: Sequence[str] = (),
+        log: Callable[[str], None] = print,
     ) -> None:
         self.model_cfg = model
+        self.log = log
         self.pad_id, self.eos_id = pad_id, eos_id
         self.dtype = dtype
         self.max_slots = max_slots
@@ -266,7 +269,7 @@ class VllmSampler:
     # ------------------------------------------------------------------ weights
     def _export(self, model: nnx.Module) -> Path:
         cfg, flat = hf.untie_embeddings(self.model_cfg, flat_params(model))
-        out = self.workdir / f"weights-{self.weight_updates:06d}"
+        out = self.workdir / f"weights-{time.time_ns()}"
         hf.export_hf(out, cfg, flat)
         return out
 
@@ -282,13 +285,17 @@ class VllmSampler:
         ):
             return
         self._held = None  # let the old arrays go first
+        start = time.perf_counter()
         if self.server is None:
             self._export_dir = self._export(model)
             self.server = VllmServer(
                 self.python, self._export_dir, self.args, self.workdir / "server.log"
             )
+            self.log(
+                f"[vllm] server pid {self.server.proc.pid} at {self.server.url} ready in "
+                f"{time.perf_counter() - start:.0f} s (log: {self.server.log_path})"
+            )
         else:
-            self.weight_updates += 1
             new_dir = self._export(model)
             self.server.post(
                 "/collective_rpc",
@@ -298,6 +305,11 @@ class VllmSampler:
             if self._export_dir is not None:
                 shutil.rmtree(self._export_dir, ignore_errors=True)
             self._export_dir = new_dir
+            self.weight_updates += 1
+            self.log(
+                f"[vllm] weights reloaded in place ({self.weight_updates} since start) and "
+                f"prefix cache reset in {time.perf_counter() - start:.1f} s"
+            )
         self._held = leaves
 
     # ------------------------------------------------------------------ sampling
