@@ -21,12 +21,13 @@ import pytest
 
 from pipeline.paramserver import ParamServer
 from pipeline.problem_sets import write_data
-from pipeline.run import Run
+from pipeline.run import Run, base_server
 from tests.runs import tiny_config
 from tpu_jobs import hf
 from tpu_jobs.model import flat_params, init_model, load_flat_params
 from tpu_jobs.rollout_worker import RolloutWorker
 from tpu_jobs.sampling import ROLLOUT_STREAM, sample_keys
+from tpu_jobs.trainer import Trainer
 from tpu_jobs.vllm_sampler import DEFAULT_PYTHON, VllmSampler
 
 pytestmark = pytest.mark.vllm
@@ -57,12 +58,20 @@ def worker(tmp_path_factory):
     assert cfg.model.tie_embeddings and cfg.model.head_dim == 32
     run = Run.create(str(tmp_path_factory.mktemp("vllm") / "run"), cfg)
     write_data(run)
-    ps = ParamServer(run.store)
-    ps.publish(0, flat_params(init_model(cfg.model, 0)), epoch=ps.acquire_epoch())
+    flat = flat_params(init_model(cfg.model, 0))
+    for server in (base_server(run), ParamServer(run.store)):  # the base, and its v0
+        server.publish(0, flat, epoch=server.acquire_epoch())
     w = RolloutWorker(run, "w", log=lambda m: None)
     assert isinstance(w.sampler, VllmSampler)
     yield w
     w.sampler.close()
+
+
+@pytest.fixture(scope="module")
+def batch0(worker):
+    """Batch 0, made by the worker from version 0 with vLLM."""
+    assert worker._ensure_version(0)
+    return worker.generate_batch(0, 0)
 
 
 def hf_logprobs(tmp_path, model, rows, temperature=1.0):
@@ -100,11 +109,10 @@ def prefix_cache_hits(sampler) -> float:
     )
 
 
-def test_worker_batch_holds_vllm_tokens_and_logprobs(worker, tmp_path):
+def test_worker_batch_holds_vllm_tokens_and_logprobs(worker, batch0, tmp_path):
     """A rollout worker with engine vllm makes a batch: the completions are vLLM's, the
     behaviour log-probs match transformers on the same tokens, texts decode the ids."""
-    assert worker._ensure_version(0)
-    batch = worker.generate_batch(0, 0)
+    batch = batch0
     assert len(batch) == 8
     assert worker.sampler.server is not None and worker.sampler.weight_updates == 0
     ref = hf_logprobs(
@@ -118,6 +126,21 @@ def test_worker_batch_holds_vllm_tokens_and_logprobs(worker, tmp_path):
         assert batch.finished[r] == (batch.completion_ids[r][-1] == worker.tok.eos_id)
     # The four samples of a prompt have their own seeds (keys), so they differ.
     assert len({tuple(c) for c in batch.completion_ids[:4]}) > 1
+
+
+def test_trainer_steps_on_the_vllm_batch(worker, batch0):
+    """The trainer takes the batch as any other: pi_old recomputed (ratio 1 on the first
+    update), TIS weights from vLLM's behaviour log-probs, which differ from the trainer's
+    float32 ones by rounding only."""
+    trainer = Trainer(worker.run, log=lambda m: None, fused=False)
+    learner = trainer.learner
+    params, opt_state = learner.init_state(trainer._base_params())
+    ref = trainer._base_params() if learner.needs_ref else None  # GRPO's KL term
+    _, _, metrics = learner.step(params, opt_state, ref, learner.inputs(batch0))
+    assert all(np.isfinite(v) for v in metrics.values()), metrics
+    assert metrics["grad_norm"] > 0 and metrics["ratio_mean"] == 1.0
+    assert metrics["logprob_absdiff_max"] < 1e-4
+    assert abs(metrics["is_weight_mean"] - 1.0) < 1e-4
 
 
 def test_logprobs_at_temperature_and_greedy(worker, tmp_path):
