@@ -72,7 +72,9 @@ REQUEST_SECONDS = 3600.0
 # Run before vLLM, in its interpreter: SIGTERM to the server when the job that started it
 # dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG, kept across exec), so a killed
 # worker leaves no server holding the machine. (Not a preexec_fn: forking a threaded JAX
-# process to run Python in the child can deadlock.)
+# process to run Python in the child can deadlock.) Linux sends it when the *thread* that
+# started the server ends: the first `generate` belongs on a thread that lives as long
+# as the sampler (the jobs' main thread).
 DIE_WITH_PARENT = (
     "import contextlib, ctypes, os, signal, sys\n"
     "with contextlib.suppress(OSError):\n"
