@@ -684,10 +684,10 @@ class ParamServer:
                 raise SnapshotNotFoundError(
                     f"v{v} has no delta against v{v - 1}: the chain to v{version} has a hole"
                 )
-            if delta.get("codec") != weight_codec.CODEC:
+            if delta.get("codec") not in weight_codec.CODECS:
                 raise CorruptSnapshotError(
                     f"v{v}: unknown delta codec {delta.get('codec')!r} "
-                    f"(allowed: {weight_codec.CODEC})"
+                    f"(allowed: {', '.join(weight_codec.CODECS)})"
                 )
         if have is None and "full" not in manifests[start]:
             raise CorruptSnapshotError(f"v{version}'s anchor v{start} holds no full snapshot")
@@ -757,12 +757,12 @@ class ParamServer:
                     f"v{version}: the delta of {t['name']!r} piece {r} does not fit its base "
                     f"({None if old is None else (old.shape, old.dtype)} vs {(shape, dtype)})"
                 )
+            blob = self._piece_bytes(version, "delta", spec, data)
             try:
-                new = weight_codec.apply_delta(self._piece_bytes(version, "delta", spec, data), old)
+                new, actual = weight_codec.apply_delta(blob, old, manifest["delta"]["codec"])
             except weight_codec.DeltaError as err:
                 raise CorruptSnapshotError(f"v{version}: {t['name']!r} piece {r}: {err}") from None
             want_crc = int(t["crc32c"][r if t.get("axis") is not None else 0])
-            actual = _crc32c(_bytes_of(new))
             if actual != want_crc:
                 raise CorruptSnapshotError(
                     f"v{version}: rebuilt {t['name']!r} piece {r} failed verification: expected "

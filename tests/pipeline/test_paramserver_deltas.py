@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 
+import google_crc32c
 import numpy as np
 import pytest
 import zstandard
@@ -17,7 +18,13 @@ from pipeline.leases import BatchLeases
 from pipeline.paramserver import CorruptSnapshotError, ParamServer, Snapshot
 from pipeline.retention import apply_retention
 from pipeline.storage import GCSStore, LocalStore, MemoryStore, open_store
-from pipeline.weight_codec import apply_delta, cast_for_publish, encode_delta
+from pipeline.weight_codec import (
+    BLOCK_ELEMS,
+    DeltaError,
+    apply_delta,
+    cast_for_publish,
+    encode_delta,
+)
 from tests.pipeline.test_paramserver import _assert_exact, _flip_byte
 from tests.pipeline.test_retention import HookedStore
 
@@ -73,10 +80,38 @@ def test_codec_is_xor_of_bit_patterns_in_byte_planes() -> None:
     x = new.view(np.uint32) ^ old.view(np.uint32)
     planes = x.view(np.uint8).reshape(-1, 4).T.tobytes()  # byte 0 of each word, then byte 1..
     assert zstandard.ZstdDecompressor().decompress(blob) == planes
-    assert apply_delta(blob, old).tobytes() == new.tobytes()
+    rebuilt, crc = apply_delta(blob, old)
+    assert rebuilt.tobytes() == new.tobytes() and crc == google_crc32c.value(new.tobytes())
     assert cast_for_publish({"a": old, "i": np.arange(3)}, "bfloat16")["i"].dtype == np.int64
     with pytest.raises(ValueError, match="allowed: float32, bfloat16"):
         cast_for_publish({"a": old}, "float16")
+
+
+def test_codec_cuts_byte_planes_in_blocks_and_reads_the_unblocked_layout() -> None:
+    """A piece longer than a block: the planes of each BLOCK_ELEMS elements in turn. An
+    unchanged piece has an empty delta and keeps the held array. The unblocked layout of
+    the first delta versions ("xor-byteplanes-zstd": the planes of the whole piece) still
+    decodes."""
+    rng = np.random.default_rng(5)
+    old = rng.standard_normal(BLOCK_ELEMS + 1000).astype(ml_dtypes.bfloat16)
+    new = old.copy()
+    new[rng.choice(old.size, 5000, replace=False)] = ml_dtypes.bfloat16(0.5)
+    x = (new.view(np.uint16) ^ old.view(np.uint16)).view(np.uint8).reshape(-1, 2)
+    blocks = [x[:BLOCK_ELEMS].T.tobytes(), x[BLOCK_ELEMS:].T.tobytes()]
+    blob = encode_delta(new, old)
+    assert zstandard.ZstdDecompressor().decompress(blob) == b"".join(blocks)
+    assert apply_delta(blob, old)[0].tobytes() == new.tobytes()
+    unblocked = zstandard.ZstdCompressor().compress(x.T.tobytes())
+    assert apply_delta(unblocked, old, "xor-byteplanes-zstd")[0].tobytes() == new.tobytes()
+    assert encode_delta(old, old.copy()) == b""
+    same, crc = apply_delta(b"", old)
+    assert same is old and crc == google_crc32c.value(old.tobytes())
+    with pytest.raises(DeltaError, match="short of its piece"):
+        apply_delta(blob, np.zeros(old.size + 1, old.dtype))
+    with pytest.raises(DeltaError, match="more than the piece"):
+        apply_delta(blob, old[:-1])
+    with pytest.raises(DeltaError, match="unknown delta codec 'lz4'"):
+        apply_delta(blob, old, "lz4")
 
 
 def test_chain_of_deltas_is_bit_identical_to_full_snapshots(ps: ParamServer) -> None:
