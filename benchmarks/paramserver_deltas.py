@@ -127,31 +127,48 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
+def timed_cpu(fn):
+    """(wall s, this process's CPU s over all its threads, result)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - t0, time.process_time() - c0, out
+
+
 def bench_backend(label: str, make_store, run: Run, steps: int, full_every: int) -> dict:
     """Republish the run's versions into fresh stores of one backend: v0 full, then each
     version once as a delta alone and once as a full snapshot alone; a worker holding v-1
     pulls v both ways; then a late joiner."""
+    load_before = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     src = weights_server(run)
     deltas = ParamServer(make_store("deltas"), max_workers=8)
     fulls = ParamServer(make_store("fulls"), max_workers=8)
     e1, e2 = deltas.acquire_epoch(), fulls.acquire_epoch()
-    out = {"push_full": [], "push_delta": [], "pull_full": [], "pull_delta": []}
+    out = {k: [] for k in ("push_full", "push_delta", "pull_full", "pull_delta",
+                           "pull_full_cpu", "pull_delta_cpu")}  # fmt: skip
     prev = src.pull(0)
-    deltas.publish(0, prev.tensors, epoch=e1, full_every=full_every)
+    base = Snapshot.of(0, prev.tensors)
+    deltas.publish_snapshot(base, epoch=e1, full_every=full_every)
     held = deltas.pull(0)
     for v in range(1, steps + 1):
         cur = src.pull(v, have=prev)
-        base = Snapshot.of(v - 1, prev.tensors)
-        t, _ = timed(lambda v=v, cur=cur, base=base: deltas.publish(
-            v, cur.tensors, epoch=e1, base=base, full=False, full_every=full_every))  # fmt: skip
+
+        def push_delta(v=v, cur=cur, base=base) -> Snapshot:
+            # As the trainer does: cut once, publish, keep it as the next delta's base.
+            snap = Snapshot.of(v, cur.tensors)
+            deltas.publish_snapshot(snap, epoch=e1, base=base, full=False, full_every=full_every)
+            return snap
+
+        t, base = timed(push_delta)
         out["push_delta"].append(t)
         t, _ = timed(lambda v=v, cur=cur: fulls.publish(v, cur.tensors, epoch=e2))
         out["push_full"].append(t)
-        t, snap = timed(lambda v=v, held=held: deltas.pull(v, have=held))
+        t, cpu, snap = timed_cpu(lambda v=v, held=held: deltas.pull(v, have=held))
         assert snap.deltas == (v,) and snap.full_from is None
         out["pull_delta"].append(t)
-        t, full = timed(lambda v=v: fulls.pull(v))
+        out["pull_delta_cpu"].append(cpu)
+        t, cpu, full = timed_cpu(lambda v=v: fulls.pull(v))
         out["pull_full"].append(t)
+        out["pull_full_cpu"].append(cpu)
         if v == 1:  # correctness, outside the timings
             for name, arr in cur.tensors.items():
                 assert snap.tensors[name].tobytes() == arr.tobytes() == full.tensors[name].tobytes()
@@ -170,10 +187,10 @@ def bench_backend(label: str, make_store, run: Run, steps: int, full_every: int)
     last = min(steps, 2 * full_every - 1)
     prev = None
     for v in range(full_every, last + 1):
-        cur = src.pull(v)
-        joiner.publish(v, cur.tensors, epoch=e3, base=prev, full=prev is None,
-                       full_every=full_every)  # fmt: skip
-        prev = Snapshot.of(v, cur.tensors)
+        snap = Snapshot.of(v, src.pull(v).tensors)
+        joiner.publish_snapshot(snap, epoch=e3, base=prev, full=prev is None,
+                                full_every=full_every)  # fmt: skip
+        prev = snap
     reader = ParamServer(joiner.store, max_workers=8)
     out["late_joiner"] = []
     for _ in range(3):
@@ -182,6 +199,7 @@ def bench_backend(label: str, make_store, run: Run, steps: int, full_every: int)
     out["late_joiner_chain"] = [snap.full_from, list(snap.deltas)]
     full_t = [timed(lambda: fulls.pull(steps))[0] for _ in range(3)]
     out["late_joiner_full_pull"] = full_t
+    out["load"] = [load_before, ", ".join(f"{x:.1f}" for x in os.getloadavg())]
     return out
 
 
@@ -205,16 +223,19 @@ def write_report(args, rows, sizes, alignment, timings, meta, path: Path) -> str
         )
     trows = [
         "| backend | push full (s) | push delta (s) | pull full (s) | pull newest from held (s) "
-        "| pull speed-up | late joiner: full + deltas (s) | full pull (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| pull speed-up | pull CPU full / delta (s) | late joiner: full + deltas (s) "
+        "| full pull (s) | load average before / after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for label, t in timings.items():
         trows.append(
             f"| {label} | {med(t['push_full']):.3f} | {med(t['push_delta']):.3f} | "
             f"{med(t['pull_full']):.3f} | {med(t['pull_delta']):.3f} | "
-            f"{med(t['pull_full']) / med(t['pull_delta']):.1f}x | {med(t['late_joiner']):.3f} "
+            f"{med(t['pull_full']) / med(t['pull_delta']):.1f}x | "
+            f"{med(t['pull_full_cpu']):.3f} / {med(t['pull_delta_cpu']):.3f} | "
+            f"{med(t['late_joiner']):.3f} "
             f"(v{t['late_joiner_chain'][0]} + {len(t['late_joiner_chain'][1])}) | "
-            f"{med(t['late_joiner_full_pull']):.3f} |"
+            f"{med(t['late_joiner_full_pull']):.3f} | {t['load'][0]} / {t['load'][1]} |"
         )
     align = "\n".join(
         f"| {k} | {med(v):.3g} | {min(v):.3g} / {max(v):.3g} |" for k, v in alignment.items()
@@ -222,7 +243,15 @@ def write_report(args, rows, sizes, alignment, timings, meta, path: Path) -> str
     raw = [
         f"- {label} {k}: " + ", ".join(f"{x:.3f}" for x in t[k])
         for label, t in timings.items()
-        for k in ("push_full", "push_delta", "pull_full", "pull_delta", "late_joiner")
+        for k in (
+            "push_full",
+            "push_delta",
+            "pull_full",
+            "pull_delta",
+            "pull_full_cpu",
+            "pull_delta_cpu",
+            "late_joiner",
+        )  # fmt: skip
     ]
     text = f"""# Parameter server: delta versions on a real RL run
 

@@ -137,10 +137,12 @@ def encode_delta(new: np.ndarray, old: np.ndarray) -> bytes:
 
 
 def apply_delta(
-    blob: bytes | memoryview, old: np.ndarray, codec: str = CODEC
+    blob: bytes | memoryview, old: np.ndarray, codec: str = CODEC, out: np.ndarray | None = None
 ) -> tuple[np.ndarray, int]:
-    """``old`` with the delta applied, and the crc32c of its bytes: a new array (``old`` is
-    never modified), or ``old`` itself when the delta is empty (nothing changed).
+    """``old`` with the delta applied, and the crc32c of its bytes: written into ``out`` (an
+    array of ``old``'s shape and dtype, which may be ``old`` itself when the caller owns it;
+    None: a new array), or ``old`` itself when the delta is empty (nothing changed). ``old``
+    is modified only when it is ``out``.
 
     Block by block (a few hundred KiB, so every step works in the CPU's cache): zstd
     decodes the block's byte planes into a reused buffer, shifts and ORs them back into
@@ -154,7 +156,12 @@ def apply_delta(
     if len(blob) == 0:
         return old, int(google_crc32c.value(ow.view(np.uint8)))
     per_block = CODECS[codec] or max(n, 1)
-    out = np.empty_like(ow)
+    if out is None:
+        out = np.empty_like(ow)
+    elif out.shape != old.shape or out.dtype != old.dtype or not out.flags.c_contiguous:
+        raise DeltaError(f"out {out.shape} {out.dtype} does not fit {old.shape} {old.dtype}")
+    else:
+        out = _words(out)
     raw = np.empty(size * min(n, per_block), np.uint8)
     word = np.empty(min(n, per_block), ow.dtype)
     crc = 0

@@ -50,6 +50,7 @@ def _version(v: int) -> dict[str, np.ndarray]:
         "special": special,
         "count": np.array(v, dtype=np.int64),
         "empty": np.zeros((0, 4), np.float32),
+        "frozen": np.full((4, 4), v // 3, np.float32),  # changes every third version only
     }
 
 
@@ -125,8 +126,13 @@ def test_chain_of_deltas_is_bit_identical_to_full_snapshots(ps: ParamServer) -> 
         fresh = ps.pull(v)  # from the anchor
         _assert_exact(fresh.tensors, _version(v))
         assert fresh.full_from == v - v % 5 and fresh.deltas == tuple(range(v - v % 5 + 1, v + 1))
-        held = ps.pull(v, have=held)  # step by step, across full versions too
-        _assert_exact(held.tensors, _version(v))
+        before = None if held is None else {k: a.tobytes() for k, a in held.tensors.items()}
+        nxt = ps.pull(v, have=held)  # step by step, across full versions too
+        _assert_exact(nxt.tensors, _version(v))
+        if held is not None:  # the held version is untouched (an unchanged piece is shared)
+            assert {k: a.tobytes() for k, a in held.tensors.items()} == before
+            assert (nxt.tensors["frozen"] is held.tensors["frozen"]) == (v % 3 != 0)
+        held = nxt
         assert held.full_from is None if v else held.full_from == 0
     # A delta holds only what changed: far smaller than the full snapshot of its version.
     size = lambda m, kind: sum(s["size"] for s in m[kind]["shards"])  # noqa: E731
