@@ -258,3 +258,41 @@ def test_pieces_and_ranged_reads_on_the_emulator(gcs_emulator) -> None:
     _assert_exact(ps.pull(3).tensors, _version(3))
     with pytest.raises(ValueError, match="ranks \\[2\\] do not exist"):
         ps.pull(3, ranks=[2])
+
+
+class _RangeLog(HookedStore):
+    """A store with ranged reads of its own that logs each (key, start, length)."""
+
+    def __init__(self, inner, log: list, path: str = "") -> None:
+        super().__init__(inner, lambda key: None, path)
+        self.log = log
+
+    def child(self, prefix: str) -> _RangeLog:
+        return _RangeLog(self.inner.child(prefix), self.log, f"{self.path}/{prefix}".strip("/"))
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        self.log.append((key, start, length))
+        return self.inner.read_range(key, start, length)
+
+
+def test_a_small_pull_is_split_so_that_every_reader_has_a_range() -> None:
+    """A delta far below ``range_bytes`` is still read as ``max_workers`` ranges (of at
+    least 1 MiB): a pull of one small object would otherwise use one connection."""
+    rng = np.random.default_rng(1)
+    old = {"w": rng.standard_normal(1 << 21).astype(np.float32)}  # 8 MiB
+    new = {"w": rng.standard_normal(1 << 21).astype(np.float32)}  # all changed: a ~7 MiB delta
+    store = MemoryStore(f"ranges-{uuid.uuid4().hex[:8]}")
+    writer = ParamServer(store)
+    epoch = writer.acquire_epoch()
+    writer.publish(0, old, epoch=epoch)
+    writer.publish(1, new, epoch=epoch, base=Snapshot.of(0, old), full=False, full_every=4)
+    (shard,) = writer.manifest(1)["delta"]["shards"]
+    log: list = []
+    reader = ParamServer(_RangeLog(store, log), max_workers=4, range_bytes=64 << 20)
+    held = ParamServer(store).pull(0)
+    _assert_exact(reader.pull(1, have=held).tensors, new)
+    step = -(-shard["size"] // 4)
+    assert step >= 1 << 20
+    assert sorted((s, n) for k, s, n in log if k == shard["key"]) == [
+        (a, min(step, shard["size"] - a)) for a in range(0, shard["size"], step)
+    ]
