@@ -9,10 +9,12 @@ release the GIL) as soon as the shards it needs have arrived and passed their cr
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,7 +27,7 @@ from pipeline.paramserver.publish import cpu_count
 from pipeline.paramserver.snapshot import Snapshot
 from pipeline.storage import LocalStore, ObjectNotFound, ObjectStore
 
-__all__ = ["rebuild"]
+__all__ = ["BufferPool", "rebuild"]
 
 # The smallest ranged read a pull splits a shard into to keep all its readers busy (see
 # ShardReader); ranges are at most the server's ``range_bytes``.
@@ -33,6 +35,41 @@ MIN_RANGE_BYTES = 1 << 20
 
 ShardId = tuple[int, str, int]  # (version, "full" | "delta", shard index)
 PieceId = tuple[str, int]
+
+
+class BufferPool:
+    """Memory for rebuilt versions, reused once nothing references it any more.
+
+    A worker that keeps up frees one version's memory per pull and asks for as much again.
+    Fresh memory costs page faults (about 50 ms per 150 MB in 4 KiB pages), and on a VM that
+    hands freed memory back to its host, stalls of about 0.3 s per 150 MB when it is touched
+    again (measured here: benchmarks/results/paramserver_deltas.md). So a buffer's memory
+    is handed out through a ctypes array over it, the one object every array NumPy makes
+    from it keeps alive; when that object dies (no array of the version is left, views
+    included) the memory goes back to the pool, which keeps the ``keep`` newest."""
+
+    def __init__(self, keep: int = 1) -> None:
+        self.keep = keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes (uint8) of memory nothing else uses: a free buffer of the pool of
+        at most 5/4 of that size, or a new one."""
+        if nbytes == 0:
+            return np.empty(0, np.uint8)
+        with self._lock:
+            fits = [m for m in self._free if nbytes <= m.size <= nbytes + nbytes // 4]
+            if fits:
+                self._free.remove(fits[0])
+        mem = fits[0] if fits else np.empty(nbytes, np.uint8)
+        owner = (ctypes.c_uint8 * nbytes).from_buffer(mem)
+        weakref.finalize(owner, self._put, mem)
+        return np.frombuffer(owner, np.uint8)
+
+    def _put(self, mem: np.ndarray) -> None:
+        with self._lock:
+            self._free = [*self._free, mem][-self.keep :] if self.keep else []
 
 
 def rebuild(
@@ -44,6 +81,7 @@ def rebuild(
     *,
     max_workers: int,
     range_bytes: int,
+    buffers: BufferPool,
 ) -> Snapshot:
     """``version`` (its normalized ``manifest`` in hand) from ``have`` (or, None, from the
     anchor's full snapshot) and the deltas in between, every piece of the tensor ranks
@@ -73,7 +111,9 @@ def rebuild(
         first = manifests[start]["full" if have is None else "delta"]["pieces"]
         order = {(p["name"], p["part"]): int(p["shard"]) for p in first}
         items = sorted(_wanted(manifest, want), key=lambda pid: order.get(pid, 0))
-        pieces = _Pieces(manifests, shards, start if have is None else None, applied, items)
+        pieces = _Pieces(
+            manifests, shards, start if have is None else None, applied, items, buffers
+        )
         with ThreadPoolExecutor(max_workers=max(1, min(max_workers, cpu_count()))) as work:
             futures = [work.submit(pieces.build, item, have) for item in items]
             try:
@@ -124,9 +164,8 @@ class _Pieces:
     each delta of the chain applied and verified.
 
     The pieces that deltas change are written into one buffer of the version's size (see
-    ``_out``), not one allocation each: NumPy backs an allocation of at least 4 MiB with
-    huge pages, and fresh memory in 4 KiB pages cost a third of a rebuild's CPU time in its
-    page faults (benchmarks/results/paramserver_deltas.md)."""
+    ``_out``) from a ``BufferPool``, not one allocation each: fresh memory's page faults
+    cost a third of a rebuild's CPU time (benchmarks/results/paramserver_deltas.md)."""
 
     _ALIGN = 64  # a cache line: every dtype's alignment
 
@@ -137,6 +176,7 @@ class _Pieces:
         full: int | None,
         applied: list[int],
         items: list[PieceId],
+        buffers: BufferPool,
     ) -> None:
         self.manifests, self.shards, self.full, self.applied = manifests, shards, full, applied
         self.tensors = {v: {t["name"]: t for t in m["tensors"]} for v, m in manifests.items()}
@@ -161,7 +201,7 @@ class _Pieces:
                     continue  # a bad entry: refused when its delta is applied
                 self._slots[pid] = (size, nbytes)
                 size += -(-nbytes // self._ALIGN) * self._ALIGN
-        self._buffer = np.empty(size, np.uint8)
+        self._buffer = buffers.take(size)
 
     def _out(self, pid: PieceId, like: np.ndarray) -> np.ndarray | None:
         """The piece's place in the version's buffer (None if it has none or ``like`` does

@@ -36,7 +36,7 @@ from pipeline.paramserver.manifest import (
     read_normalized,
     version_dir,
 )
-from pipeline.paramserver.pull import rebuild
+from pipeline.paramserver.pull import BufferPool, rebuild
 from pipeline.paramserver.snapshot import Snapshot
 from pipeline.storage import ObjectNotFound, ObjectStore, safe_name
 
@@ -73,6 +73,8 @@ class ParamServer:
         self.shard_bytes = shard_bytes
         self.max_workers = max_workers
         self.range_bytes = range_bytes
+        # The memory of the version a worker stopped using, for the next version it pulls.
+        self._buffers = BufferPool(keep=1)
 
     # ------------------------------------------------------------------ epochs
 
@@ -362,6 +364,7 @@ class ParamServer:
             want,
             max_workers=self.max_workers,
             range_bytes=self.range_bytes,
+            buffers=self._buffers,
         )
 
     def wait_for_version(

@@ -6,6 +6,7 @@ the objects a reader actually fetched (a store wrapper that records every read).
 
 from __future__ import annotations
 
+import gc
 import json
 import uuid
 
@@ -16,6 +17,7 @@ import zstandard
 
 from pipeline.leases import BatchLeases
 from pipeline.paramserver import CorruptSnapshotError, ParamServer, Snapshot
+from pipeline.paramserver.pull import BufferPool
 from pipeline.retention import apply_retention
 from pipeline.storage import GCSStore, LocalStore, MemoryStore, open_store
 from pipeline.weight_codec import (
@@ -296,3 +298,24 @@ def test_a_small_pull_is_split_so_that_every_reader_has_a_range() -> None:
     assert sorted((s, n) for k, s, n in log if k == shard["key"]) == [
         (a, min(step, shard["size"] - a)) for a in range(0, shard["size"], step)
     ]
+
+
+def test_memory_of_a_rebuilt_version_is_reused_only_once_no_array_uses_it(ps) -> None:
+    pool = BufferPool(keep=1)
+    a = pool.take(1000)
+    address = a.ctypes.data
+    view = a[10:20].view(np.uint16).reshape(5, 1)  # a view outlives the array it came from
+    del a
+    gc.collect()
+    assert pool.take(1000).ctypes.data != address
+    del view
+    gc.collect()
+    assert pool.take(1000).ctypes.data == address
+    # Through pulls: a tensor kept from an old version is never overwritten by later ones.
+    _publish_chain(ps, range(6), full_every=10)
+    held = ps.pull(1)
+    kept = held.tensors["w"][2:]
+    for v in range(2, 6):
+        held = ps.pull(v, have=held)
+        _assert_exact(held.tensors, _version(v))
+    assert kept.tobytes() == _version(1)["w"][2:].tobytes()
