@@ -41,7 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import launcher  # noqa: E402
+from pipeline import launcher, weight_codec  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.paramserver import ParamServer, Snapshot  # noqa: E402
 from pipeline.problem_sets import write_data  # noqa: E402
@@ -115,6 +115,15 @@ def version_stats(run: Run, steps: int) -> tuple[list[dict], dict]:
             row["changed"] = changed
             row["changed_frac"] = changed / total
             row["sparse_bytes"] = changed * (4 + arr.dtype.itemsize)  # index + value
+            # One thread's CPU for the codec alone (bytes in memory, no storage): the floor of
+            # a push's delta encoding and of a pull's rebuild (decode + XOR + crc32c).
+            t0 = time.thread_time()
+            blobs = {pid: weight_codec.encode_delta(a, prev.pieces[pid])
+                     for pid, a in snap.pieces.items()}  # fmt: skip
+            t1 = time.thread_time()
+            for pid, blob in blobs.items():
+                weight_codec.apply_delta(blob, prev.pieces[pid])
+            row["encode_cpu_s"], row["decode_cpu_s"] = t1 - t0, time.thread_time() - t1
         rows.append(row)
         prev = snap
     raw = sum(a.nbytes for a in prev.tensors.values())
@@ -127,31 +136,48 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
+def timed_cpu(fn):
+    """(wall s, this process's CPU s over all its threads, result)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - t0, time.process_time() - c0, out
+
+
 def bench_backend(label: str, make_store, run: Run, steps: int, full_every: int) -> dict:
     """Republish the run's versions into fresh stores of one backend: v0 full, then each
     version once as a delta alone and once as a full snapshot alone; a worker holding v-1
     pulls v both ways; then a late joiner."""
+    load_before = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     src = weights_server(run)
     deltas = ParamServer(make_store("deltas"), max_workers=8)
     fulls = ParamServer(make_store("fulls"), max_workers=8)
     e1, e2 = deltas.acquire_epoch(), fulls.acquire_epoch()
-    out = {"push_full": [], "push_delta": [], "pull_full": [], "pull_delta": []}
+    out = {k: [] for k in ("push_full", "push_delta", "pull_full", "pull_delta",
+                           "pull_full_cpu", "pull_delta_cpu")}  # fmt: skip
     prev = src.pull(0)
-    deltas.publish(0, prev.tensors, epoch=e1, full_every=full_every)
+    base = Snapshot.of(0, prev.tensors)
+    deltas.publish_snapshot(base, epoch=e1, full_every=full_every)
     held = deltas.pull(0)
     for v in range(1, steps + 1):
         cur = src.pull(v, have=prev)
-        base = Snapshot.of(v - 1, prev.tensors)
-        t, _ = timed(lambda v=v, cur=cur, base=base: deltas.publish(
-            v, cur.tensors, epoch=e1, base=base, full=False, full_every=full_every))  # fmt: skip
+
+        def push_delta(v=v, cur=cur, base=base) -> Snapshot:
+            # As the trainer does: cut once, publish, keep it as the next delta's base.
+            snap = Snapshot.of(v, cur.tensors)
+            deltas.publish_snapshot(snap, epoch=e1, base=base, full=False, full_every=full_every)
+            return snap
+
+        t, base = timed(push_delta)
         out["push_delta"].append(t)
         t, _ = timed(lambda v=v, cur=cur: fulls.publish(v, cur.tensors, epoch=e2))
         out["push_full"].append(t)
-        t, snap = timed(lambda v=v, held=held: deltas.pull(v, have=held))
+        t, cpu, snap = timed_cpu(lambda v=v, held=held: deltas.pull(v, have=held))
         assert snap.deltas == (v,) and snap.full_from is None
         out["pull_delta"].append(t)
-        t, full = timed(lambda v=v: fulls.pull(v))
+        out["pull_delta_cpu"].append(cpu)
+        t, cpu, full = timed_cpu(lambda v=v: fulls.pull(v))
         out["pull_full"].append(t)
+        out["pull_full_cpu"].append(cpu)
         if v == 1:  # correctness, outside the timings
             for name, arr in cur.tensors.items():
                 assert snap.tensors[name].tobytes() == arr.tobytes() == full.tensors[name].tobytes()
@@ -170,10 +196,10 @@ def bench_backend(label: str, make_store, run: Run, steps: int, full_every: int)
     last = min(steps, 2 * full_every - 1)
     prev = None
     for v in range(full_every, last + 1):
-        cur = src.pull(v)
-        joiner.publish(v, cur.tensors, epoch=e3, base=prev, full=prev is None,
-                       full_every=full_every)  # fmt: skip
-        prev = Snapshot.of(v, cur.tensors)
+        snap = Snapshot.of(v, src.pull(v).tensors)
+        joiner.publish_snapshot(snap, epoch=e3, base=prev, full=prev is None,
+                                full_every=full_every)  # fmt: skip
+        prev = snap
     reader = ParamServer(joiner.store, max_workers=8)
     out["late_joiner"] = []
     for _ in range(3):
@@ -182,6 +208,7 @@ def bench_backend(label: str, make_store, run: Run, steps: int, full_every: int)
     out["late_joiner_chain"] = [snap.full_from, list(snap.deltas)]
     full_t = [timed(lambda: fulls.pull(steps))[0] for _ in range(3)]
     out["late_joiner_full_pull"] = full_t
+    out["load"] = [load_before, ", ".join(f"{x:.1f}" for x in os.getloadavg())]
     return out
 
 
@@ -193,6 +220,8 @@ def write_report(args, rows, sizes, alignment, timings, meta, path: Path) -> str
     delta_b = [r["delta_bytes"] for r in deltas]
     sparse_b = [r["sparse_bytes"] for r in deltas]
     ratio = med(full_b) / med(delta_b)
+    enc = [r["encode_cpu_s"] for r in deltas]
+    dec = [r["decode_cpu_s"] for r in deltas]
     lines = [
         "| version | changed elements | fraction | delta bytes | sparse idx+val bytes | full bytes |",
         "|---:|---:|---:|---:|---:|---:|",
@@ -205,16 +234,19 @@ def write_report(args, rows, sizes, alignment, timings, meta, path: Path) -> str
         )
     trows = [
         "| backend | push full (s) | push delta (s) | pull full (s) | pull newest from held (s) "
-        "| pull speed-up | late joiner: full + deltas (s) | full pull (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| pull speed-up | pull CPU full / delta (s) | late joiner: full + deltas (s) "
+        "| full pull (s) | load average before / after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for label, t in timings.items():
         trows.append(
             f"| {label} | {med(t['push_full']):.3f} | {med(t['push_delta']):.3f} | "
             f"{med(t['pull_full']):.3f} | {med(t['pull_delta']):.3f} | "
-            f"{med(t['pull_full']) / med(t['pull_delta']):.1f}x | {med(t['late_joiner']):.3f} "
+            f"{med(t['pull_full']) / med(t['pull_delta']):.1f}x | "
+            f"{med(t['pull_full_cpu']):.3f} / {med(t['pull_delta_cpu']):.3f} | "
+            f"{med(t['late_joiner']):.3f} "
             f"(v{t['late_joiner_chain'][0]} + {len(t['late_joiner_chain'][1])}) | "
-            f"{med(t['late_joiner_full_pull']):.3f} |"
+            f"{med(t['late_joiner_full_pull']):.3f} | {t['load'][0]} / {t['load'][1]} |"
         )
     align = "\n".join(
         f"| {k} | {med(v):.3g} | {min(v):.3g} / {max(v):.3g} |" for k, v in alignment.items()
@@ -222,7 +254,15 @@ def write_report(args, rows, sizes, alignment, timings, meta, path: Path) -> str
     raw = [
         f"- {label} {k}: " + ", ".join(f"{x:.3f}" for x in t[k])
         for label, t in timings.items()
-        for k in ("push_full", "push_delta", "pull_full", "pull_delta", "late_joiner")
+        for k in (
+            "push_full",
+            "push_delta",
+            "pull_full",
+            "pull_delta",
+            "pull_full_cpu",
+            "pull_delta_cpu",
+            "late_joiner",
+        )  # fmt: skip
     ]
     text = f"""# Parameter server: delta versions on a real RL run
 
@@ -271,6 +311,11 @@ The emulator is fake-gcs-server (in memory, 127.0.0.1): it measures the HTTP cli
 {chr(10).join(trows)}
 
 Target: the pull of the newest version at least 3x faster than a full pull.
+
+The codec alone, on one thread, bytes in memory (median over the run's versions): encoding a
+version's delta takes {med(enc):.3f} s of CPU, rebuilding it (zstd, byte planes back to
+words, XOR, crc32c) {med(dec):.3f} s, that is {sizes["raw_bytes"] / MIB / med(dec):,.0f} MiB/s
+of rebuilt weights per core.
 
 ## Trainer-sampler mismatch of bfloat16 versions
 

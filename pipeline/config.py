@@ -727,7 +727,7 @@ PUBLISH_DTYPES = ("sampler", "float32", "bfloat16")  # = pipeline.weight_codec's
 @dataclass(frozen=True)
 class ParamServerConfig:
     """How the trainer publishes weight versions and the workers pull them
-    (`pipeline/paramserver.py`, docs/parameter-server.md, docs/scale-model.md).
+    (`pipeline/paramserver/`, docs/parameter-server.md, docs/scale-model.md).
 
     dtype: the dtype of published versions: "sampler" (the default: `sampler.dtype`, so
         float32 on CPU and bfloat16 where the workers sample in bfloat16), "float32" or

@@ -13,16 +13,24 @@ words are split into byte planes (all first bytes, then all second bytes, ...) b
 zstd: a small change of a float flips low mantissa bits only, so the planes of the sign and
 exponent bytes are nearly all zero and compress to almost nothing, where the interleaved
 words would not (benchmarks/results/paramserver_deltas.md compares it with a sparse
-index + value encoding).
+index + value encoding). The planes are cut in blocks of ``BLOCK_ELEMS`` elements (the
+planes of block 0, then of block 1, ...; one zstd frame per piece), so that a reader
+rebuilds a piece block by block in its CPU cache (``apply_delta``). A piece that did not
+change at all has an empty delta.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import google_crc32c
 import numpy as np
 import zstandard
 
 __all__ = [
+    "BLOCK_ELEMS",
     "CODEC",
+    "CODECS",
     "DeltaError",
     "apply_delta",
     "cast_for_publish",
@@ -31,8 +39,17 @@ __all__ = [
     "split_pieces",
 ]
 
-CODEC = "xor-byteplanes-zstd"
-ZSTD_LEVEL = 3  # zstd's default; level 1 was no faster on mostly-zero planes
+CODEC = "xor-byteplane-blocks-zstd"
+# Elements per block of byte planes: a block's planes, its words and the output and base
+# slices it touches (4 x 256 KiB for bfloat16) stay within a core's 2 MiB L2 cache.
+BLOCK_ELEMS = 1 << 17
+# Codecs a reader decodes: {name: elements per block (None: the whole piece is one block)}.
+# "xor-byteplanes-zstd" is the unblocked layout of the first delta versions.
+CODECS: dict[str, int | None] = {CODEC: BLOCK_ELEMS, "xor-byteplanes-zstd": None}
+# zstd level 1: on bfloat16 deltas of an RL run it compresses as well as the default (3)
+# (benchmarks/results/paramserver_deltas.md) in about half the trainer's time; decoding
+# costs the same at every level.
+ZSTD_LEVEL = 1
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # Published dtypes by config name (pipeline.config.ParamServerConfig.dtype).
 PUBLISH_DTYPES = ("float32", "bfloat16")
@@ -86,6 +103,7 @@ def join_pieces(pieces: list[np.ndarray], axis: int | None) -> np.ndarray:
 
 
 def _words(arr: np.ndarray) -> np.ndarray:
+    """``arr``'s elements as unsigned words of its item size (bytes for odd sizes)."""
     flat = arr.reshape(-1)
     return (
         flat.view(_UINT[arr.dtype.itemsize]) if arr.dtype.itemsize in _UINT else flat.view(np.uint8)
@@ -93,36 +111,84 @@ def _words(arr: np.ndarray) -> np.ndarray:
 
 
 def encode_delta(new: np.ndarray, old: np.ndarray) -> bytes:
-    """The delta taking piece ``old`` to ``new`` (same shape and dtype)."""
+    """The delta taking piece ``old`` to ``new`` (same shape and dtype), in ``CODEC``; empty
+    when nothing changed (the reader then keeps ``old`` without decoding anything)."""
     if new.shape != old.shape or new.dtype != old.dtype:
         raise DeltaError(
             f"delta between {new.shape} {new.dtype} and {old.shape} {old.dtype}: "
             "allowed only between pieces of one shape and dtype"
         )
-    x = np.bitwise_xor(_words(new), _words(old))
-    size = new.dtype.itemsize if new.dtype.itemsize in _UINT else 1
-    planes = x.view(np.uint8).reshape(-1, size).T  # byte planes: [size, n]
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(np.ascontiguousarray(planes))
+    nw, ow = _words(new), _words(old)
+    size, n = nw.dtype.itemsize, nw.size
+    if n == 0 or np.array_equal(nw, ow):
+        return b""
+    xor = np.empty(min(n, BLOCK_ELEMS), nw.dtype)
+    planes = np.empty(size * xor.size, np.uint8)
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=n * size)
+    chunks = []
+    for start in range(0, n, BLOCK_ELEMS):
+        m = min(BLOCK_ELEMS, n - start)
+        x = np.bitwise_xor(nw[start : start + m], ow[start : start + m], out=xor[:m])
+        block = planes[: size * m].reshape(size, m)  # contiguous, for zstd
+        np.copyto(block, x.view(np.uint8).reshape(m, size).T)
+        chunks.append(compressor.compress(block))
+    chunks.append(compressor.flush())
+    return b"".join(chunks)
 
 
-def apply_delta(blob: bytes | memoryview, old: np.ndarray) -> np.ndarray:
-    """``old`` with the delta applied: a new array (``old`` is never modified)."""
-    nbytes = old.nbytes
-    if nbytes == 0:
-        return old.copy()
+def apply_delta(
+    blob: bytes | memoryview, old: np.ndarray, codec: str = CODEC, out: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
+    """``old`` with the delta applied, and the crc32c of its bytes: written into ``out`` (an
+    array of ``old``'s shape and dtype, which may be ``old`` itself when the caller owns it;
+    None: a new array), or ``old`` itself when the delta is empty (nothing changed). ``old``
+    is modified only when it is ``out``.
+
+    Block by block (a few hundred KiB, so every step works in the CPU's cache): zstd
+    decodes the block's byte planes into a reused buffer, shifts and ORs them back into
+    words, XORs those with ``old``'s into the output and extends the crc32c over it, so
+    the piece's memory is read and written once; the ``old`` codec's single block is the
+    whole piece."""
+    if codec not in CODECS:
+        raise DeltaError(f"unknown delta codec {codec!r} (allowed: {', '.join(CODECS)})")
+    ow = _words(old)
+    size, n = ow.dtype.itemsize, ow.size
+    if len(blob) == 0:
+        return old, int(google_crc32c.value(ow.view(np.uint8)))
+    per_block = CODECS[codec] or max(n, 1)
+    if out is None:
+        out = np.empty_like(ow)
+    elif out.shape != old.shape or out.dtype != old.dtype or not out.flags.c_contiguous:
+        raise DeltaError(f"out {out.shape} {out.dtype} does not fit {old.shape} {old.dtype}")
+    else:
+        out = _words(out)
+    raw = np.empty(size * min(n, per_block), np.uint8)
+    word = np.empty(min(n, per_block), ow.dtype)
+    crc = 0
     try:
-        raw = zstandard.ZstdDecompressor().decompress(bytes(blob), max_output_size=nbytes)
+        with zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=False) as reader:
+            for start in range(0, n, per_block):
+                m = min(per_block, n - start)
+                planes = _read_exactly(reader, raw[: size * m]).reshape(size, m)
+                w = word[:m]
+                np.copyto(w, planes[size - 1])
+                for b in range(size - 2, -1, -1):  # little-endian: plane b is byte b
+                    np.left_shift(w, 8, out=w)
+                    np.bitwise_or(w, planes[b], out=w)
+                done = np.bitwise_xor(ow[start : start + m], w, out=out[start : start + m])
+                crc = google_crc32c.extend(crc, done.view(np.uint8))
+            if reader.read(1):
+                raise DeltaError(f"delta holds more than the piece's {n * size} bytes")
     except zstandard.ZstdError as exc:
         raise DeltaError(f"delta does not decompress: {exc}") from None
-    if len(raw) != nbytes:
-        raise DeltaError(f"delta holds {len(raw)} bytes, the piece {nbytes}")
-    size = old.dtype.itemsize if old.dtype.itemsize in _UINT else 1
-    planes = np.frombuffer(raw, np.uint8).reshape(size, -1)
-    # One new buffer, filled plane by plane and XORed in place: fresh memory costs page
-    # faults (several seconds per GiB on some VMs), so the rebuild allocates it once.
-    words = np.empty((planes.shape[1], size), np.uint8)
-    for b in range(size):
-        words[:, b] = planes[b]
-    out = words.reshape(-1).view(_words(old).dtype)
-    np.bitwise_xor(out, _words(old), out=out)
-    return out.view(old.dtype).reshape(old.shape)
+    return out.view(old.dtype).reshape(old.shape), int(crc)
+
+
+def _read_exactly(reader: Any, buf: np.ndarray) -> np.ndarray:
+    view, got = memoryview(buf), 0
+    while got < len(view):
+        k = reader.readinto(view[got:])
+        if not k:
+            raise DeltaError(f"delta ends {len(view) - got} bytes short of its piece's block")
+        got += k
+    return buf

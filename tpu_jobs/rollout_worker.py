@@ -140,7 +140,7 @@ class RolloutWorker:
         self.sampler = make_sampler(self.cfg, self.tok, self.mesh)
         self.version: int | None = None
         # The snapshot of `version` as pulled: the next version is rebuilt from it with
-        # the deltas in between (pipeline/paramserver.py).
+        # the deltas in between (pipeline/paramserver/).
         self.held: Snapshot | None = None
         self._stop = False
         self.batches_done = 0

@@ -736,46 +736,37 @@ class Trainer:
         if not self.primary:
             return
         pc = self.cfg.paramserver
-        flat = self._published_tensors(policy)
-        layout = self._layout(flat)
+        snap = self._published_snapshot(version, policy)
         base = self._delta_base(version) if pc.full_every > 1 and version > 0 else None
         full = base is None or version % pc.full_every == 0
-        wrote = self.ps.publish(
-            version,
-            flat,
+        wrote = self.ps.publish_snapshot(
+            snap,
             epoch=epoch,
             metadata={"step": state.step},
             base=base,
             full=full,
-            **layout,
+            full_every=pc.full_every,
         )
         # A retry of a committed version leaves its stored bits as the next base (pulled).
-        self._published = (
-            Snapshot.of(version, flat, layout["split"], layout["parts"])
-            if wrote and pc.full_every > 1
-            else None
-        )
+        self._published = snap if wrote and pc.full_every > 1 else None
         if wrote:
             kind = "full" if full else "delta"
             self.log(f"[trainer] published v{version} (step {state.step}, {kind})")
         if self.cfg.trainer.keep_versions:
             self._retain(state, epoch)
 
-    def _published_tensors(self, policy: Any) -> dict[str, np.ndarray]:
+    def _published_snapshot(self, version: int, policy: Any) -> Snapshot:
         """The policy's tensors in the published dtype (`paramserver.dtype`), as own host
-        copies: arrays viewing device buffers would change when the state is donated to the
-        next step, and the next delta is taken against these."""
-        dtype = self.cfg.paramserver.publish_dtype(self.cfg.sampler.dtype)
-        flat = params_to_flat(self.learner.fns, policy)
-        cast = weight_codec.cast_for_publish(flat, dtype)
-        return {k: np.array(v, copy=True) if v is flat[k] else v for k, v in cast.items()}
-
-    def _layout(self, flat: dict[str, np.ndarray]) -> dict[str, Any]:
-        """publish's split/parts/full_every: pieces lined up with the sampler's mesh."""
+        copies (arrays viewing device buffers would change when the state is donated to the
+        next step, and the next delta is taken against these), cut into the pieces of the
+        sampler's mesh: cut once, for publish and as the next delta's base."""
         pc = self.cfg.paramserver
+        flat = params_to_flat(self.learner.fns, policy)
+        cast = weight_codec.cast_for_publish(flat, pc.publish_dtype(self.cfg.sampler.dtype))
+        owned = {k: np.array(v, copy=True) if v is flat[k] else v for k, v in cast.items()}
         parts = pc.parts(self.cfg.mesh.sampler)
-        split = meshlib.split_axes({k: v.shape for k, v in flat.items()}, parts)
-        return {"split": split, "parts": parts, "full_every": pc.full_every}
+        split = meshlib.split_axes({k: v.shape for k, v in owned.items()}, parts)
+        return Snapshot.of(version, owned, split, parts)
 
     def _delta_base(self, version: int) -> Snapshot | None:
         """Version - 1 as stored (complete), or None (then a full snapshot is written)."""
@@ -831,13 +822,11 @@ class Trainer:
         current = state.step // self.cfg.trainer.publish_every
         for version, reasons in sorted(self.ps.refused().items()):
             if version == current:
-                flat = self._published_tensors(state.params["policy"])
                 self.ps.repair(
-                    version,
-                    flat,
+                    self._published_snapshot(version, state.params["policy"]),
                     epoch=self.epoch,
                     metadata={"step": state.step},
-                    **self._layout(flat),
+                    full_every=self.cfg.paramserver.full_every,
                 )
                 self.log(
                     f"[trainer] a rollout worker refused v{version} ({reasons[0]}); rewrote it "

@@ -6,18 +6,27 @@ the objects a reader actually fetched (a store wrapper that records every read).
 
 from __future__ import annotations
 
+import gc
 import json
 import uuid
 
+import google_crc32c
 import numpy as np
 import pytest
 import zstandard
 
 from pipeline.leases import BatchLeases
 from pipeline.paramserver import CorruptSnapshotError, ParamServer, Snapshot
+from pipeline.paramserver.pull import BufferPool
 from pipeline.retention import apply_retention
 from pipeline.storage import GCSStore, LocalStore, MemoryStore, open_store
-from pipeline.weight_codec import apply_delta, cast_for_publish, encode_delta
+from pipeline.weight_codec import (
+    BLOCK_ELEMS,
+    DeltaError,
+    apply_delta,
+    cast_for_publish,
+    encode_delta,
+)
 from tests.pipeline.test_paramserver import _assert_exact, _flip_byte
 from tests.pipeline.test_retention import HookedStore
 
@@ -43,6 +52,7 @@ def _version(v: int) -> dict[str, np.ndarray]:
         "special": special,
         "count": np.array(v, dtype=np.int64),
         "empty": np.zeros((0, 4), np.float32),
+        "frozen": np.full((4, 4), v // 3, np.float32),  # changes every third version only
     }
 
 
@@ -73,10 +83,38 @@ def test_codec_is_xor_of_bit_patterns_in_byte_planes() -> None:
     x = new.view(np.uint32) ^ old.view(np.uint32)
     planes = x.view(np.uint8).reshape(-1, 4).T.tobytes()  # byte 0 of each word, then byte 1..
     assert zstandard.ZstdDecompressor().decompress(blob) == planes
-    assert apply_delta(blob, old).tobytes() == new.tobytes()
+    rebuilt, crc = apply_delta(blob, old)
+    assert rebuilt.tobytes() == new.tobytes() and crc == google_crc32c.value(new.tobytes())
     assert cast_for_publish({"a": old, "i": np.arange(3)}, "bfloat16")["i"].dtype == np.int64
     with pytest.raises(ValueError, match="allowed: float32, bfloat16"):
         cast_for_publish({"a": old}, "float16")
+
+
+def test_codec_cuts_byte_planes_in_blocks_and_reads_the_unblocked_layout() -> None:
+    """A piece longer than a block: the planes of each BLOCK_ELEMS elements in turn. An
+    unchanged piece has an empty delta and keeps the held array. The unblocked layout of
+    the first delta versions ("xor-byteplanes-zstd": the planes of the whole piece) still
+    decodes."""
+    rng = np.random.default_rng(5)
+    old = rng.standard_normal(BLOCK_ELEMS + 1000).astype(ml_dtypes.bfloat16)
+    new = old.copy()
+    new[rng.choice(old.size, 5000, replace=False)] = ml_dtypes.bfloat16(0.5)
+    x = (new.view(np.uint16) ^ old.view(np.uint16)).view(np.uint8).reshape(-1, 2)
+    blocks = [x[:BLOCK_ELEMS].T.tobytes(), x[BLOCK_ELEMS:].T.tobytes()]
+    blob = encode_delta(new, old)
+    assert zstandard.ZstdDecompressor().decompress(blob) == b"".join(blocks)
+    assert apply_delta(blob, old)[0].tobytes() == new.tobytes()
+    unblocked = zstandard.ZstdCompressor().compress(x.T.tobytes())
+    assert apply_delta(unblocked, old, "xor-byteplanes-zstd")[0].tobytes() == new.tobytes()
+    assert encode_delta(old, old.copy()) == b""
+    same, crc = apply_delta(b"", old)
+    assert same is old and crc == google_crc32c.value(old.tobytes())
+    with pytest.raises(DeltaError, match="short of its piece"):
+        apply_delta(blob, np.zeros(old.size + 1, old.dtype))
+    with pytest.raises(DeltaError, match="more than the piece"):
+        apply_delta(blob, old[:-1])
+    with pytest.raises(DeltaError, match="unknown delta codec 'lz4'"):
+        apply_delta(blob, old, "lz4")
 
 
 def test_chain_of_deltas_is_bit_identical_to_full_snapshots(ps: ParamServer) -> None:
@@ -90,8 +128,13 @@ def test_chain_of_deltas_is_bit_identical_to_full_snapshots(ps: ParamServer) -> 
         fresh = ps.pull(v)  # from the anchor
         _assert_exact(fresh.tensors, _version(v))
         assert fresh.full_from == v - v % 5 and fresh.deltas == tuple(range(v - v % 5 + 1, v + 1))
-        held = ps.pull(v, have=held)  # step by step, across full versions too
-        _assert_exact(held.tensors, _version(v))
+        before = None if held is None else {k: a.tobytes() for k, a in held.tensors.items()}
+        nxt = ps.pull(v, have=held)  # step by step, across full versions too
+        _assert_exact(nxt.tensors, _version(v))
+        if held is not None:  # the held version is untouched (an unchanged piece is shared)
+            assert {k: a.tobytes() for k, a in held.tensors.items()} == before
+            assert (nxt.tensors["frozen"] is held.tensors["frozen"]) == (v % 3 != 0)
+        held = nxt
         assert held.full_from is None if v else held.full_from == 0
     # A delta holds only what changed: far smaller than the full snapshot of its version.
     size = lambda m, kind: sum(s["size"] for s in m[kind]["shards"])  # noqa: E731
@@ -217,3 +260,62 @@ def test_pieces_and_ranged_reads_on_the_emulator(gcs_emulator) -> None:
     _assert_exact(ps.pull(3).tensors, _version(3))
     with pytest.raises(ValueError, match="ranks \\[2\\] do not exist"):
         ps.pull(3, ranks=[2])
+
+
+class _RangeLog(HookedStore):
+    """A store with ranged reads of its own that logs each (key, start, length)."""
+
+    def __init__(self, inner, log: list, path: str = "") -> None:
+        super().__init__(inner, lambda key: None, path)
+        self.log = log
+
+    def child(self, prefix: str) -> _RangeLog:
+        return _RangeLog(self.inner.child(prefix), self.log, f"{self.path}/{prefix}".strip("/"))
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        self.log.append((key, start, length))
+        return self.inner.read_range(key, start, length)
+
+
+def test_a_small_pull_is_split_so_that_every_reader_has_a_range() -> None:
+    """A delta far below ``range_bytes`` is still read as ``max_workers`` ranges (of at
+    least 1 MiB): a pull of one small object would otherwise use one connection."""
+    rng = np.random.default_rng(1)
+    old = {"w": rng.standard_normal(1 << 21).astype(np.float32)}  # 8 MiB
+    new = {"w": rng.standard_normal(1 << 21).astype(np.float32)}  # all changed: a ~7 MiB delta
+    store = MemoryStore(f"ranges-{uuid.uuid4().hex[:8]}")
+    writer = ParamServer(store)
+    epoch = writer.acquire_epoch()
+    writer.publish(0, old, epoch=epoch)
+    writer.publish(1, new, epoch=epoch, base=Snapshot.of(0, old), full=False, full_every=4)
+    (shard,) = writer.manifest(1)["delta"]["shards"]
+    log: list = []
+    reader = ParamServer(_RangeLog(store, log), max_workers=4, range_bytes=64 << 20)
+    held = ParamServer(store).pull(0)
+    _assert_exact(reader.pull(1, have=held).tensors, new)
+    step = -(-shard["size"] // 4)
+    assert step >= 1 << 20
+    assert sorted((s, n) for k, s, n in log if k == shard["key"]) == [
+        (a, min(step, shard["size"] - a)) for a in range(0, shard["size"], step)
+    ]
+
+
+def test_memory_of_a_rebuilt_version_is_reused_only_once_no_array_uses_it(ps) -> None:
+    pool = BufferPool(keep=1)
+    a = pool.take(1000)
+    address = a.ctypes.data
+    view = a[10:20].view(np.uint16).reshape(5, 1)  # a view outlives the array it came from
+    del a
+    gc.collect()
+    assert pool.take(1000).ctypes.data != address
+    del view
+    gc.collect()
+    assert pool.take(1000).ctypes.data == address
+    # Through pulls: a tensor kept from an old version is never overwritten by later ones.
+    _publish_chain(ps, range(6), full_every=10)
+    held = ps.pull(1)
+    kept = held.tensors["w"][2:]
+    for v in range(2, 6):
+        held = ps.pull(v, have=held)
+        _assert_exact(held.tensors, _version(v))
+    assert kept.tobytes() == _version(1)["w"][2:].tobytes()
