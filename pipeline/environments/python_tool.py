@@ -66,17 +66,17 @@ _time.ctime = lambda s=None: _time.asctime(_lt(_T if s is None else s))
 _asc = _time.asctime
 _time.asctime = lambda t=None: _asc(_lt(_T) if t is None else t)
 _time.strftime = lambda f, t=None: _st(f, _lt(_T) if t is None else t)
-class _DateTime(_dt.datetime):
+class _Date(_dt.date):
+    @classmethod
+    def today(cls):
+        return cls.fromtimestamp(_T)
+class _DateTime(_dt.datetime, _Date):  # a datetime is still a date
     @classmethod
     def now(cls, tz=None):
         return cls.fromtimestamp(_T, tz)
     @classmethod
     def utcnow(cls):
         return cls.fromtimestamp(_T, _dt.timezone.utc).replace(tzinfo=None)
-    @classmethod
-    def today(cls):
-        return cls.fromtimestamp(_T)
-class _Date(_dt.date):
     @classmethod
     def today(cls):
         return cls.fromtimestamp(_T)
