@@ -850,6 +850,20 @@ class RunConfig:
             env.max_episode_tokens,
             f"< model.max_seq_len={self.model.max_seq_len} (the prompt needs room too)",
         )
+        if env.multi_turn:
+            _check(
+                self.sampler.engine == "jax",
+                "sampler.engine",
+                self.sampler.engine,
+                f"'jax' with environment.name={env.name!r} (tool episodes resume requests "
+                "from the engine's KV cache)",
+            )
+            _check(
+                self.rollout.judge_fraction == 0,
+                "rollout.judge_fraction",
+                self.rollout.judge_fraction,
+                f"0 with environment.name={env.name!r} (judging tool episodes is not built)",
+            )
         tensor = None if self.mesh.sampler is None else self.mesh.sampler[MESH_AXES.index("tensor")]
         parts = self.paramserver.tensor_parts
         _check(

@@ -290,6 +290,7 @@ def sample_episodes_and_verify(
         turns=[e.turns for e in episodes],
         tool_calls=[e.tool_calls for e in episodes],
         tool_errors=[e.tool_errors for e in episodes],
+        final_texts=[e.final_text for e in episodes],
         generate_s=times.generate_s,
         tool_s=times.tool_s,
     )

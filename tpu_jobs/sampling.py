@@ -69,6 +69,7 @@ class Scored:
     turns: list[int] | None = None
     tool_calls: list[int] | None = None
     tool_errors: list[list[str]] | None = None
+    final_texts: list[str] | None = None  # the last turn: what the verifier read
     generate_s: float | None = None  # seconds in the engine (tool episodes)
     tool_s: float | None = None  # seconds waiting on the environment's tools
 

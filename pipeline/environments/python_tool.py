@@ -54,6 +54,9 @@ DETERMINISM = f"""\
 import datetime as _dt, os as _os, random as _random, time as _time
 _T = {FIXED_TIME}
 _random.seed(0)
+# `random` reseeds its global generator from the OS in every forked child: seed it again,
+# after that hook (hooks run in the order they were registered).
+_os.register_at_fork(after_in_child=lambda: _random.seed(0))
 _bytes = _random.Random(0)
 _os.urandom = _random._urandom = lambda n: _bytes.randbytes(n)
 for _name in ("time", "monotonic", "perf_counter", "process_time", "thread_time"):

@@ -200,3 +200,57 @@ def test_the_loop_refuses_the_static_sampler(model):
             Sampler(CFG), model, make_environment(ENV), TOK, [[1, 5]], keys(1), ENV,
             max_turn_tokens=4, temperature=1.0,
         )  # fmt: skip
+
+
+WORKER_OVERRIDES = (
+    "environment.name=python",
+    "environment.max_episode_tokens=200",
+    "environment.observation_chars=48",
+    "environment.timeout_s=0.25",
+    "task.num_train=16",
+    "task.num_eval=2",
+    "rollout.prompts_per_batch=2",
+    "rollout.group_size=2",
+    "sampler.max_new_tokens=40",
+    "sampler.slots=4",
+    "sampler.page_size=256",
+    "eval.num_problems=2",
+    "eval.num_samples=2",
+    "eval.ks=[1,2]",
+    "eval.self_prm=false",
+)
+
+
+def test_a_tool_batch_is_the_same_bytes_however_often_it_is_made(model, tmp_path):
+    """Two workers (a retry after preemption: a fresh process, fresh engine and sandbox
+    workers) make batch 0 from the memorised model: the same Parquet bytes, with the
+    episode columns filled; the evaluator runs the same episodes and reports tool use."""
+    from pipeline.paramserver import ParamServer
+    from pipeline.problem_sets import write_data
+    from pipeline.rollouts import from_parquet_bytes
+    from pipeline.run import Run
+    from tests.runs import tiny_config
+    from tpu_jobs.evaluator import Evaluator
+    from tpu_jobs.model import flat_params
+    from tpu_jobs.rollout_worker import RolloutWorker
+
+    run = Run.create(str(tmp_path / "run"), tiny_config(*WORKER_OVERRIDES))
+    write_data(run)
+    ps = ParamServer(run.store)
+    ps.publish(0, flat_params(model), epoch=ps.acquire_epoch())
+    made = []
+    for _ in range(2):
+        worker = RolloutWorker(run, "w", log=lambda m: None)
+        assert worker._ensure_version(0)
+        made.append(to_parquet_bytes(worker.generate_batch(0, 0)))
+    assert made[0] == made[1]
+    batch = from_parquet_bytes(made[0])
+    assert batch.is_episode().all() and sum(batch.tool_calls) >= 1
+    for r in range(len(batch)):
+        mask = np.asarray(batch.token_mask(r))
+        assert (np.asarray(batch.behaviour_logprobs[r])[mask == 0] == 0).all()
+    stats = worker.last_stats
+    assert stats["tools"]["episodes"] == 4 and stats["generate_s"] > 0 and "tool_s" in stats
+
+    record = Evaluator(run, log=lambda m: None).evaluate(0)
+    assert record["tools"]["episodes"] == 4 and "pass@2" in record["metrics"]
