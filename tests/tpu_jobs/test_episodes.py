@@ -254,3 +254,7 @@ def test_a_tool_batch_is_the_same_bytes_however_often_it_is_made(model, tmp_path
 
     record = Evaluator(run, log=lambda m: None).evaluate(0)
     assert record["tools"]["episodes"] == 4 and "pass@2" in record["metrics"]
+    from pipeline.report import _tools_section
+
+    section = "\n".join(_tools_section(run, [], [record]))
+    assert "## Tool episodes (environment `python`)" in section and "| v0 |" in section
