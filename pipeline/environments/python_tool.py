@@ -23,11 +23,11 @@ seeded with 0; `os.urandom` (and so `secrets`, `uuid.uuid4`, `random.SystemRando
 `monotonic`, `perf_counter`, `process_time` (and their `_ns` forms), the default of
 `time.localtime`/`gmtime`/`ctime`/`asctime`/`strftime`, `datetime.datetime.now/utcnow/today`
 and `datetime.date.today` give the fixed instant FIXED_TIME. Each run starts from that
-same state, so the same program prints the same thing on any machine. Not covered (a
-program that goes out of its way gets host entropy or time, and only its own row stops
-being reproducible): reading /dev/urandom, clock syscalls through ctypes, and the string
-hash seed (iteration order of a set of str), which the sandbox's `python -I` draws per
-worker process. Whether a program finishes within `timeout_s` depends on the machine's
+same state, and every sandbox worker hashes strings with PYTHONHASHSEED=0
+(`pipeline/sandbox/isolation.py`: the order of a set of strings), so the same program
+prints the same thing in any worker on any machine. Not covered (a program that goes out
+of its way gets host entropy or time, and only its own row stops being reproducible):
+reading /dev/urandom, and clock syscalls through ctypes. Whether a program finishes within `timeout_s` depends on the machine's
 load near the limit; keep the limit far above what the task's programs need.
 """
 
