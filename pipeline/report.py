@@ -442,8 +442,9 @@ def _coevolution_section(evals: list[dict[str, Any]]) -> list[str]:
 def time_split(
     train: list[dict[str, Any]], rollouts: list[dict[str, Any]]
 ) -> list[dict[str, float]]:
-    """Per trainer step: seconds of generation and of tool execution (the committed
-    rollout record of the step's batch) and of training (the step's own record)."""
+    """Per trainer step: seconds of generation, of tool execution and of waiting on tools
+    (the part of it decoding did not hide), from the committed rollout record of the
+    step's batch, and of training (the step's own record)."""
     made = {r["batch_index"]: r for r in rollouts if r.get("committed") and "tool_s" in r}
     out = []
     for t in train:
@@ -454,6 +455,7 @@ def time_split(
                     "step": t["step"],
                     "generate_s": float(r["generate_s"]),
                     "tool_s": float(r["tool_s"]),
+                    "tool_wait_s": float(r.get("tool_wait_s", r["tool_s"])),
                     "train_s": float(t["step_s"]),
                 }
             )
@@ -493,14 +495,15 @@ def _tools_section(run: Run, train: list[dict[str, Any]], evals: list[dict[str, 
     split = {s["step"]: s for s in time_split(train, run.read_metrics("rollout"))}
     if steps:
         lines += [
-            "| step " + head + " generation s | tools s | training s |",
+            "| step " + head + " generation s | tools s (waited) | training s |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         every = max(1, len(steps) // 20)  # at most ~20 rows
         for t in steps[::every]:
             sp = split.get(t["step"])
             times = (
-                f" {sp['generate_s']:.1f} | {sp['tool_s']:.1f} | {sp['train_s']:.1f} |"
+                f" {sp['generate_s']:.1f} | {sp['tool_s']:.1f} ({sp['tool_wait_s']:.1f}) | "
+                f"{sp['train_s']:.1f} |"
                 if sp
                 else " – | – | – |"
             )
@@ -514,7 +517,9 @@ def _tools_section(run: Run, train: list[dict[str, Any]], evals: list[dict[str, 
             f"({100 * total['generate_s'] / whole:.0f}%), tool execution {total['tool_s']:.0f} s "
             f"({100 * total['tool_s'] / whole:.0f}%), training {total['train_s']:.0f} s "
             f"({100 * total['train_s'] / whole:.0f}%); generation and tools are the rollout "
-            "workers' (they run beside the trainer), training the trainer's step.",
+            "workers' (they run beside the trainer; tool calls run while other rows decode, "
+            "the part that decoding did not hide is the waited time), training the "
+            "trainer's step.",
         ]
     return lines
 

@@ -30,16 +30,19 @@ makes it and however often.
 
 Rows run in waves of at most the engine's slot count and, with a KV budget, of as many
 rows as fit it at their full length (parked rows keep their pages between rounds, and the
-engine preempts only live rows), so no round waits for pages a parked row holds. Within a
-wave, the rows that ended a turn early wait for the round's other rows before their tools
-run: tools are batched per round, not overlapped with decoding (`tool_s` measures the
-wait).
+engine preempts only live rows), so no round waits for pages a parked row holds. A wave's
+rows form two halves that take turns: while the tool calls of one half's finished turns
+run together (`Environment.step_many`, on a thread), the engine decodes the other half's
+turns, so tool time hides behind decoding (`EpisodeTimes.tool_wait_s` is what it did not
+hide). Within a half, a row that ended its turn early waits for the half's other rows
+before its tool runs.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,10 +90,13 @@ class Episode:
 
 @dataclass
 class EpisodeTimes:
-    """Seconds a call spent in the engine and waiting on the environment's tools."""
+    """Seconds a call spent in the engine (`generate_s`), running the environment's tools
+    (`tool_s`, on their thread) and waiting for them with nothing else to do (`tool_wait_s`:
+    the part of tool_s that decoding did not hide); engine calls (`rounds`)."""
 
     generate_s: float = 0.0
     tool_s: float = 0.0
+    tool_wait_s: float = 0.0
     rounds: int = 0
 
 
@@ -166,6 +172,9 @@ def _key_data(keys: Any, n: int) -> np.ndarray:
 
 
 def _run_wave(engine, model, env, tok, prompts, keys, cfg, times, sampling, max_turn) -> list:
+    """The wave's episodes, in two halves that take turns: while the tools of one half's
+    finished turns run (on a thread: the sandbox waits on processes), the engine decodes
+    the other half's turns."""
     n = len(prompts)
     eps = [Episode() for _ in range(n)]
     stops = tuple(env.stop_strings)
@@ -179,43 +188,72 @@ def _run_wave(engine, model, env, tok, prompts, keys, cfg, times, sampling, max_
         )
         for r in range(n)
     }
+    halves = [h for h in (list(range(0, n, 2)), list(range(1, n, 2))) if h]
+    pending: dict[int, tuple[list[int], Future]] = {}  # half -> (rows, its tool calls)
     parked: dict[int, int] = {}  # row -> handle of its parked request
+    tools = ThreadPoolExecutor(max_workers=len(halves), thread_name_prefix="tools")
     try:
-        while requests:
-            rows = sorted(requests)
-            t0 = time.perf_counter()
-            outs = engine.run(model, [requests[r] for r in rows], **sampling)
-            times.generate_s += time.perf_counter() - t0
-            times.rounds += 1
-            requests = {}
-            ended: list[tuple[int, str]] = []
-            for r, out in zip(rows, outs, strict=True):
-                ep = eps[r]
-                parked[r] = out.handle
-                text = tok.decode(out.tokens)
-                ep.turns += 1
-                ep.append(out.tokens, out.logprobs, 1, text)
-                if out.stop_reason == "eos":
-                    ep.done, ep.finished = True, True
-                elif out.stop_reason == "length" or ep.turns >= cfg.max_turns:
-                    ep.done = True  # cut by a limit: the token budget or the turn count
-                else:
-                    ended.append((r, turn_text(text, stops)))
-            if ended:
-                t0 = time.perf_counter()
-                answers = env.step_many([t for _, t in ended])
-                times.tool_s += time.perf_counter() - t0
-                for (r, _), answer in zip(ended, answers, strict=True):
-                    request = _after_step(eps[r], answer, tok, cfg, parked[r], stops, max_turn)
-                    if request is not None:
-                        requests[r] = request
-                        del parked[r]  # the Resume takes the handle
-            for r in [r for r in parked if eps[r].done]:
-                engine.release(parked.pop(r))
+        while requests or pending:
+            for h, half in enumerate(halves):
+                if h in pending:  # this half's tools: done while the other half decoded?
+                    rows, future = pending.pop(h)
+                    t0 = time.perf_counter()
+                    answers, seconds = future.result()
+                    times.tool_wait_s += time.perf_counter() - t0
+                    times.tool_s += seconds
+                    for r, answer in zip(rows, answers, strict=True):
+                        request = _after_step(eps[r], answer, tok, cfg, parked[r], stops, max_turn)
+                        if request is not None:
+                            requests[r] = request
+                            del parked[r]  # the Resume takes the handle
+                    _release_done(engine, eps, parked)
+                rows = [r for r in half if r in requests]
+                if not rows:
+                    continue
+                ended = _turns(engine, model, [requests.pop(r) for r in rows], rows, eps, parked,
+                               tok, cfg, stops, times, sampling)  # fmt: skip
+                _release_done(engine, eps, parked)
+                if ended:
+                    turns = [t for _, t in ended]
+                    pending[h] = ([r for r, _ in ended], tools.submit(_timed_steps, env, turns))
     finally:
+        tools.shutdown(wait=True, cancel_futures=True)
         for handle in parked.values():
             engine.release(handle)
     return eps
+
+
+def _timed_steps(env: Environment, turns: list[str]) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    return env.step_many(turns), time.perf_counter() - t0
+
+
+def _release_done(engine: Engine, eps: list[Episode], parked: dict[int, int]) -> None:
+    for r in [r for r in parked if eps[r].done]:
+        engine.release(parked.pop(r))
+
+
+def _turns(engine, model, requests, rows, eps, parked, tok, cfg, stops, times, sampling):
+    """Sample one turn of each row; record it; the (row, turn text) of the turns the
+    environment must read (ended on a stop string, turns left)."""
+    t0 = time.perf_counter()
+    outs = engine.run(model, requests, **sampling)
+    times.generate_s += time.perf_counter() - t0
+    times.rounds += 1
+    ended: list[tuple[int, str]] = []
+    for r, out in zip(rows, outs, strict=True):
+        ep = eps[r]
+        parked[r] = out.handle
+        text = tok.decode(out.tokens)
+        ep.turns += 1
+        ep.append(out.tokens, out.logprobs, 1, text)
+        if out.stop_reason == "eos":
+            ep.done, ep.finished = True, True
+        elif out.stop_reason == "length" or ep.turns >= cfg.max_turns:
+            ep.done = True  # cut by a limit: the token budget or the turn count
+        else:
+            ended.append((r, turn_text(text, stops)))
+    return ended
 
 
 def _after_step(ep: Episode, answer, tok, cfg, handle, stops, max_turn) -> Resume | None:
@@ -293,4 +331,5 @@ def sample_episodes_and_verify(
         final_texts=[e.final_text for e in episodes],
         generate_s=times.generate_s,
         tool_s=times.tool_s,
+        tool_wait_s=times.tool_wait_s,
     )

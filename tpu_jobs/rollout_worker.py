@@ -321,6 +321,7 @@ class RolloutWorker:
         if episodes:  # the time split of tool episodes (the report's generation/tool split)
             self.last_stats["generate_s"] = sum(r["scored"].generate_s for r, _ in parts)
             self.last_stats["tool_s"] = sum(r["scored"].tool_s for r, _ in parts)
+            self.last_stats["tool_wait_s"] = sum(r["scored"].tool_wait_s for r, _ in parts)
             every = [r["scored"] for r, _ in parts]  # every generated episode, kept or not
             self.last_stats["tools"] = tool_use_stats(
                 [t for s in every for t in s.turns],

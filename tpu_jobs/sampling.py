@@ -71,7 +71,8 @@ class Scored:
     tool_errors: list[list[str]] | None = None
     final_texts: list[str] | None = None  # the last turn: what the verifier read
     generate_s: float | None = None  # seconds in the engine (tool episodes)
-    tool_s: float | None = None  # seconds waiting on the environment's tools
+    tool_s: float | None = None  # seconds the environment's tools ran
+    tool_wait_s: float | None = None  # the part of tool_s decoding did not hide
 
 
 def verify_rows(problems: Sequence[Problem], texts: Sequence[str]) -> list[float]:

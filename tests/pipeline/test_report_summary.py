@@ -46,11 +46,11 @@ def test_time_split_joins_each_step_with_its_committed_batch():
     ]
     rollouts = [
         {"batch_index": 0, "committed": False, "generate_s": 9.0, "tool_s": 9.0},  # discarded
-        {"batch_index": 0, "committed": True, "generate_s": 4.0, "tool_s": 1.5},
+        {"batch_index": 0, "committed": True, "generate_s": 4.0, "tool_s": 1.5, "tool_wait_s": 0.5},
         {"batch_index": 1, "committed": True, "generate_s": 5.0, "tool_s": 0.5},
         {"batch_index": 2, "committed": True, "seconds": 3.0},  # a single-turn batch
     ]
     assert time_split(train, rollouts) == [
-        {"step": 1, "generate_s": 4.0, "tool_s": 1.5, "train_s": 2.0},
-        {"step": 2, "generate_s": 5.0, "tool_s": 0.5, "train_s": 3.0},
+        {"step": 1, "generate_s": 4.0, "tool_s": 1.5, "tool_wait_s": 0.5, "train_s": 2.0},
+        {"step": 2, "generate_s": 5.0, "tool_s": 0.5, "tool_wait_s": 0.5, "train_s": 3.0},
     ]

@@ -122,7 +122,8 @@ def test_an_episode_with_tool_calls_round_trips_through_the_rollout_format(model
     assert scored.turns == [4, 4] and scored.tool_calls == [3, 3]
     assert scored.tool_errors == [["error", "timeout"]] * 2
     assert scored.rewards.tolist() == [1.0, 1.0] and scored.finished.all()
-    assert scored.tool_s >= 0.25 and scored.generate_s > 0  # the hang waited its timeout
+    assert scored.tool_s >= 0.25 and scored.generate_s > 0  # the hang ran to its timeout
+    assert 0 <= scored.tool_wait_s <= scored.tool_s
     assert engine.pool.in_use == 0  # every parked request released
 
     batch = RolloutBatch(
