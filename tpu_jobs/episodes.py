@@ -49,10 +49,10 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import EnvironmentConfig
-from pipeline.environments import Environment
+from pipeline.environments import Environment, make_environment
 from pipeline.tasks.base import Problem
 from tpu_jobs.engine import Engine, Request, Resume
-from tpu_jobs.sampling import Scored, verify_rows
+from tpu_jobs.sampling import Scored, sample_and_verify, verify_rows
 
 
 @dataclass
@@ -332,4 +332,30 @@ def sample_episodes_and_verify(
         generate_s=times.generate_s,
         tool_s=times.tool_s,
         tool_wait_s=times.tool_wait_s,
+    )
+
+
+def sample_rows(
+    sampler: Any,
+    model: Any,
+    tok: Any,
+    cfg: EnvironmentConfig,
+    problems: Sequence[Problem],
+    keys: Any,
+    *,
+    env: Environment | None = None,
+    batch_size: int | None = None,
+    on_batch: Any = None,
+    **sampling: Any,
+) -> Scored:
+    """One scored completion per row for every job that samples (rollout worker,
+    evaluator, pass-rate job): tool episodes when `cfg` (the run's `environment`) names an
+    environment (`env`, or built from `cfg`), else `sampling.sample_and_verify` with its
+    `batch_size` and `on_batch`. `sampling`: max_new_tokens, temperature, top_k, top_p,
+    dtype."""
+    if cfg.multi_turn:
+        env = env or make_environment(cfg)
+        return sample_episodes_and_verify(sampler, model, tok, env, cfg, problems, keys, **sampling)
+    return sample_and_verify(
+        sampler, model, tok, problems, keys, batch_size=batch_size, on_batch=on_batch, **sampling
     )

@@ -46,7 +46,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.environments import make_environment
 from pipeline.metrics import (
     best_of_k,
     bootstrap_auc,
@@ -64,12 +63,12 @@ from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.tasks import get_task
 from pipeline.tasks.datasets import DATASETS, load_dataset
 from tpu_jobs import mesh as meshlib
-from tpu_jobs.episodes import sample_episodes_and_verify
+from tpu_jobs.episodes import sample_rows
 from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import load_orm, self_scores
 from tpu_jobs.model import init_model, load_flat_params
 from tpu_jobs.samplers import make_sampler
-from tpu_jobs.sampling import EVAL_STREAM, sample_and_verify, sample_keys, sampler_mesh
+from tpu_jobs.sampling import EVAL_STREAM, sample_keys, sampler_mesh
 
 JUDGE_THRESHOLD = 0.5  # a judge says "correct" when its score p(y)/(p(y)+p(n)) > this
 # Rerankers: metric prefix -> (per-sample score column, prefix of accuracy / auc metrics).
@@ -254,22 +253,16 @@ class Evaluator:
             temperature=ec.temperature,
             dtype=self.cfg.sampler.dtype,
         )
-        env = self.cfg.environment
-        if env.multi_turn:  # tool episodes, as the rollout workers make them
-            scored = sample_episodes_and_verify(
-                self.sampler, self.model, self.tok, make_environment(env), env, problems, keys,
-                **sampling,
-            )  # fmt: skip
-        else:
-            scored = sample_and_verify(
-                self.sampler,
-                self.model,
-                self.tok,
-                problems,
-                keys,
-                batch_size=ec.batch_size,
-                **sampling,
-            )
+        scored = sample_rows(  # tool episodes when the run sets an environment
+            self.sampler,
+            self.model,
+            self.tok,
+            self.cfg.environment,
+            problems,
+            keys,
+            batch_size=ec.batch_size,
+            **sampling,
+        )
         texts, completion_ids = scored.texts, scored.completion_ids
         rewards = scored.rewards.reshape(len(self.problems), n)
         answers: list[list[str | None]] = [[None] * n for _ in self.problems]

@@ -61,7 +61,7 @@ from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks.judge import judge_context, judge_reward
 from tpu_jobs import mesh as meshlib
-from tpu_jobs.episodes import sample_episodes_and_verify
+from tpu_jobs.episodes import sample_rows
 from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import VERDICT_MAX_TOKENS, suffix_ids
 from tpu_jobs.losses import filter_constant_groups, overlong_penalty
@@ -70,7 +70,6 @@ from tpu_jobs.samplers import make_sampler
 from tpu_jobs.sampling import (
     JUDGE_STREAM,
     ROLLOUT_STREAM,
-    sample_and_verify,
     sample_keys,
     sampler_mesh,
 )
@@ -193,27 +192,17 @@ class RolloutWorker:
             top_p=cfg.sampler.top_p,
             dtype=cfg.sampler.dtype,
         )
-        if cfg.environment.multi_turn:  # tool episodes (tpu_jobs/episodes.py)
-            scored = sample_episodes_and_verify(
-                self.sampler,
-                self.model,
-                self.tok,
-                self.env,
-                cfg.environment,
-                rows,
-                keys,
-                **sampling,
-            )
-        else:
-            scored = sample_and_verify(
-                self.sampler,
-                self.model,
-                self.tok,
-                rows,
-                keys,
-                batch_size=-(-p * g // cfg.rollout.sample_chunks),
-                **sampling,
-            )
+        scored = sample_rows(  # tool episodes when the run sets an environment
+            self.sampler,
+            self.model,
+            self.tok,
+            cfg.environment,
+            rows,
+            keys,
+            env=self.env,
+            batch_size=-(-p * g // cfg.rollout.sample_chunks),
+            **sampling,
+        )
         completions, texts, logps = scored.completion_ids, scored.texts, scored.logprobs
         rewards = scored.rewards
         verified = rewards.copy()
