@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from pipeline import sandbox
 from pipeline.environments.base import FINAL, Environment, StepResult
 from pipeline.sandbox import ExecResult, Job, Limits
-from pipeline.tool_calls import call_program, is_malformed_call, observation
+from pipeline.tool_calls import TURN_STOP, call_program, is_malformed_call, observation
 
 if TYPE_CHECKING:
     from pipeline.config import EnvironmentConfig
@@ -105,8 +105,6 @@ class PythonTool(Environment):
     name = "python"
 
     def __init__(self, *, observation_chars: int, timeout_s: float, memory_mb: int) -> None:
-        from pipeline.tool_calls import TURN_STOP
-
         self.stop_strings = (TURN_STOP,)
         self.observation_chars = observation_chars
         self.limits = Limits(
