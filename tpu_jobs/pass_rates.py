@@ -33,10 +33,11 @@ from pipeline.storage import glob, local_path, open_parent
 from pipeline.tasks import TASKS
 from pipeline.tasks.base import Problem
 from tpu_jobs import mesh as meshlib
+from tpu_jobs.episodes import sample_rows
 from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.model import init_model, load_flat_params
 from tpu_jobs.samplers import make_sampler
-from tpu_jobs.sampling import PASS_RATE_STREAM, sample_and_verify, sample_keys, sampler_mesh
+from tpu_jobs.sampling import PASS_RATE_STREAM, sample_keys, sampler_mesh
 
 SCHEMA = pa.schema(
     [
@@ -108,10 +109,11 @@ def pass_rates(
     temperature = cfg.sampler.temperature if temperature is None else temperature
     batch_size = batch_size or cfg.eval.batch_size
     keys = sample_keys(cfg.seed, PASS_RATE_STREAM, snapshot.version, 0, len(problems), k)
-    scored = sample_and_verify(
+    scored = sample_rows(  # tool episodes when the run sets an environment
         sampler,
         model,
         tok,
+        cfg.environment,
         [p for p in problems for _ in range(k)],
         keys,
         max_new_tokens=cfg.sampler.max_new_tokens,

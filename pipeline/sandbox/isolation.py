@@ -7,7 +7,10 @@ What the command guarantees, and how:
   its standard library and the directories of the shared libraries it loads, read-only,
   plus `Limits.extra_ro_paths` and the files of `Limits.packages` (under PACKAGE_ROOT);
   the stdlib's own site-packages is hidden under an empty tmpfs; /tmp and /dev/shm are small private tmpfs that die with the worker;
-- a clean environment: `--clearenv` and a fixed PATH, LANG and HOME;
+- a clean environment: `--clearenv` and a fixed PATH, LANG, HOME and PYTHONHASHSEED (0:
+  the str hash, so the order of a set of strings, is the same in every worker, and a
+  program prints the same thing whichever worker runs it; the interpreter runs with
+  `-s -P -S`, which is `-I -S` but for ignoring the environment, all of it ours);
 - not root: uid and gid 1000 inside, no capabilities, no further user namespaces
   (`--disable-userns`), `no_new_privs` (bwrap sets it); on the host the sandbox runs as
   `nobody` when the caller is root, so that RLIMIT_NPROC applies (the kernel exempts
@@ -48,7 +51,10 @@ CANDIDATE_PYTHONS = (os.path.realpath(sys.executable), "/usr/bin/python3")
 LOADER_LINKS = ("/lib", "/lib64", "/bin")
 # Where /lib64's loader link points on merged-/usr systems (the probe sees only the target).
 LOADER_DIRS = ("/usr/lib64",)
-ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
+ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp", "PYTHONHASHSEED": "0"}
+# The worker's interpreter flags: -I (isolated) but for -E, so that PYTHONHASHSEED above
+# applies: -s no user site, -P no script directory on sys.path, -S no site module.
+WORKER_FLAGS = ("-s", "-P", "-S")
 # Where `Limits.packages` appear inside (read-only, on the worker's sys.path).
 PACKAGE_ROOT = "/opt/rlax/site"
 
@@ -223,14 +229,14 @@ def bwrap_command(limits: Limits, worker_source: str, seccomp_fd: int | None) ->
     argv += ["--remount-ro", "/"]
     if seccomp_fd is not None:
         argv += ["--seccomp", str(seccomp_fd)]
-    argv += [python.executable, "-I", "-S", "-c", worker_source]
+    argv += [python.executable, *WORKER_FLAGS, "-c", worker_source]
     return argv + [json.dumps(worker_setup(limits))]
 
 
 @contextlib.contextmanager
 def launch(limits: Limits, source: str) -> Iterator[tuple[list[str], dict[str, Any]]]:
     """The argv and `subprocess` keyword arguments (empty host environment, the seccomp
-    filter's fd, the host identity) that run `python -I -S -c source` in a sandbox; start
+    filter's fd, the host identity) that run `python -s -P -S -c source` in a sandbox; start
     the process inside the `with` block: the filter's fd is closed when it ends."""
     filter_fd = seccomp.program_fd()
     try:

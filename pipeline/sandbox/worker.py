@@ -1,6 +1,6 @@
 """The program that runs inside the sandbox as its PID 1 and forks one child per run.
 
-Stdlib only, and it must run under `python -I -S`: the host passes this file's text with
+Stdlib only, and it must run under `python -s -P -S` (`isolation.WORKER_FLAGS`): the host passes this file's text with
 `-c`, so no file of the project needs to be visible inside. The host imports it only for
 `read_frame`/`write_frame`, the one definition of the protocol both sides speak: a 4-byte
 big-endian length, then that many bytes of JSON, over the worker's stdin and stdout.

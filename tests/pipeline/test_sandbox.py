@@ -277,7 +277,7 @@ except PermissionError:
     finally:
         pool.close()
     assert result.status == "ok", result.stderr
-    assert result.stdout.splitlines()[0] == str(["HOME", "LANG", "PATH", "PWD"])
+    assert result.stdout.splitlines()[0] == str(["HOME", "LANG", "PATH", "PWD", "PYTHONHASHSEED"])
     assert "hunter" not in result.stdout and "RLAX_SECRET" not in result.stdout
     assert result.stdout.endswith("worker environ denied\n")
 
