@@ -615,12 +615,12 @@ class Learner:
         pad = self.rows - n
         prompts = list(batch.prompt_ids) + [[]] * pad
         completions = list(batch.completion_ids) + [[]] * pad
+        # The loss mask (judge rows: the verdict; tool episodes: the sampled turns, not the
+        # observations) goes into comp_mask; the attention mask keeps every token.
+        loss_masks = None if batch.loss_mask is None else list(batch.loss_mask) + [None] * pad
         tokens, mask, comp_mask = pack_rows(
-            prompts, completions, self.prompt_len, self.completion_len, pad_id
+            prompts, completions, self.prompt_len, self.completion_len, pad_id, loss_masks
         )
-        if batch.loss_mask is not None:  # judge rows: only the verdict tokens are trained
-            loss_mask = [batch.token_mask(i) for i in range(n)] + [[]] * pad
-            comp_mask = comp_mask * pad_values(loss_mask, self.completion_len)
         logp_b = pad_values(list(batch.behaviour_logprobs) + [[]] * pad, self.completion_len)
         rewards = np.zeros(self.rows, np.float32)
         rewards[:n] = batch.reward
