@@ -290,9 +290,7 @@ def test_masked_loss_and_gradients_equal_numpy_on_the_sampled_tokens(algorithm):
     assert float(loss_b) == float(loss)
     np.testing.assert_array_equal(g_new_b, g_new)
     np.testing.assert_array_equal(g_v_b, g_v)
-    assert {k: float(v) for k, v in metrics_b.items()} == {
-        k: float(v) for k, v in metrics.items()
-    }
+    assert {k: float(v) for k, v in metrics_b.items()} == {k: float(v) for k, v in metrics.items()}
 
 
 def test_kl_entropy_and_ratio_metrics_count_only_the_sampled_tokens():
@@ -300,7 +298,13 @@ def test_kl_entropy_and_ratio_metrics_count_only_the_sampled_tokens():
     rows = _sampled(seed=7)
     _, metrics, _, _ = _jax_loss(spec, rows, np.random.default_rng(3))
     cat = {k: np.concatenate(v) for k, v in rows.items()}
+    lengths = [len(x) for x in rows["new"]]
+    mean, std, const = _group_stats(REWARDS)
+    adv = np.repeat(np.where(const, 0.0, (REWARDS - mean) / (std + spec.adv_eps)), lengths)
     ratio = np.exp(cat["new"] - cat["old"])
+    # Sequence-level IS: the product over the sampled tokens only.
+    seq_is = [np.exp(np.sum(o - b)) for o, b in zip(rows["old"], rows["beh"], strict=True)]
+    mismatch = cat["old"] - cat["beh"]
     expect = {
         "kl_ref": np.mean(np_kl("k3", cat["new"], cat["ref"])),
         "entropy": np.mean(cat["ent"]),
@@ -308,28 +312,13 @@ def test_kl_entropy_and_ratio_metrics_count_only_the_sampled_tokens():
         "ratio_mean": np.mean(ratio),
         "ratio_max": np.max(ratio),
         "approx_kl": np.mean(ratio - 1 - np.log(ratio)),
-        "clip_frac": np.mean(
-            ((ratio < 0.8) & (np.repeat(_grpo_adv(rows), [len(x) for x in rows["new"]]) < 0))
-            | ((ratio > 1.2) & (np.repeat(_grpo_adv(rows), [len(x) for x in rows["new"]]) > 0))
-        ),
-        # Sequence-level IS: the product over the sampled tokens only.
-        "is_weight_mean": np.mean(
-            np.repeat(
-                [min(np.exp(np.sum(o - b)), spec.is_cap) for o, b in zip(rows["old"], rows["beh"])],
-                [len(x) for x in rows["new"]],
-            )
-        ),
-        "mismatch_kl": np.mean(
-            np.exp(cat["old"] - cat["beh"]) - 1 - (cat["old"] - cat["beh"])
-        ),
+        "clip_frac": np.mean(((ratio < 0.8) & (adv < 0)) | ((ratio > 1.2) & (adv > 0))),
+        "adv_std": np.std(adv),
+        "is_weight_mean": np.mean(np.repeat(np.minimum(seq_is, spec.is_cap), lengths)),
+        "mismatch_kl": np.mean(np.exp(mismatch) - 1 - mismatch),
     }
     for key, want in expect.items():
         assert float(metrics[key]) == pytest.approx(want, rel=1e-5, abs=1e-6), key
-
-
-def _grpo_adv(rows) -> np.ndarray:
-    mean, std, const = _group_stats(REWARDS)
-    return np.where(const, 0.0, (REWARDS - mean) / (std + 1e-6))
 
 
 def test_alignment_metrics_count_only_the_sampled_tokens():
@@ -355,9 +344,7 @@ def test_alignment_metrics_count_only_the_sampled_tokens():
 def test_pack_rows_puts_the_loss_mask_into_the_completion_mask_only():
     prompts = [[1, 5, 6], [1, 7]]
     completions = [[8, 9, 10, 11, 12], [13, 14]]
-    tokens, mask, comp = pack_rows(
-        prompts, completions, 4, 6, loss_masks=[[1, 0, 0, 1, 1], None]
-    )
+    tokens, mask, comp = pack_rows(prompts, completions, 4, 6, loss_masks=[[1, 0, 0, 1, 1], None])
     np.testing.assert_array_equal(mask[0], [0, 1, 1, 1, 1, 1, 1, 1, 1, 0])  # all attended
     np.testing.assert_array_equal(comp, [[1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0]])
     with pytest.raises(ValueError, match="row 1: loss mask of 3 entries for 2 completion"):
@@ -373,7 +360,9 @@ def _episode_rows(vocab: int):
     """Prompts and completions laid out as LAYOUT (tokens random), with the loss masks."""
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, vocab, rng.integers(1, 5)).tolist() for _ in LAYOUT]
-    completions = [rng.integers(3, vocab, int(IN_COMPLETION[i].sum())).tolist() for i in range(len(LAYOUT))]
+    completions = [
+        rng.integers(3, vocab, int(IN_COMPLETION[i].sum())).tolist() for i in range(len(LAYOUT))
+    ]
     loss_masks = [MASK[i, : len(c)].astype(int).tolist() for i, c in enumerate(completions)]
     return prompts, completions, loss_masks
 
