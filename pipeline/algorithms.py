@@ -144,7 +144,8 @@ class LossSpec:
     gamma: discount [gamma of PPO/GAE; REINFORCE++ returns].
     lam: GAE lambda [lambda of PPO].
     whiten_advantages: GAE advantages are normalised over the batch's real tokens.
-    max_len: Dr. GRPO's constant length normaliser; 0 = the array width T.
+    max_len: Dr. GRPO's constant length normaliser; 0 = the array width T (the completion
+        slots, a tool episode's observation slots included: still a constant).
     value_loss: key of VALUE_LOSSES.
     vf_coef: weight of the value loss [c1 of PPO]; 0 = off.
     value_clip: clip range of the value loss.

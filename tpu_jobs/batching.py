@@ -22,9 +22,18 @@ def pack_rows(
     prompt_len: int,
     completion_len: int,
     pad_id: int = 0,
+    loss_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Return (tokens [B, P+C] int32, mask [B, P+C] int32, completion_mask [B, C] float32)."""
+    """Return (tokens [B, P+C] int32, mask [B, P+C] int32, completion_mask [B, C] float32).
+
+    `mask` is the attention mask: every real token, prompt and completion. `loss_masks`
+    (one per row, None for all ones) holds 1 on the completion tokens the policy sampled
+    and 0 on context inside the completion (a tool's observation, a judged solution); it is
+    multiplied into `completion_mask`, so those tokens are attended to but carry no loss.
+    """
     b = len(prompts)
+    if loss_masks is not None and len(loss_masks) != b:
+        raise ValueError(f"{len(loss_masks)} loss masks for {b} rows; pass one per row (or None)")
     tokens = np.full((b, prompt_len + completion_len), pad_id, np.int32)
     mask = np.zeros_like(tokens)
     comp_mask = np.zeros((b, completion_len), np.float32)
@@ -39,7 +48,16 @@ def pack_rows(
         mask[i, prompt_len - len(p) : prompt_len] = 1
         tokens[i, prompt_len : prompt_len + len(c)] = c
         mask[i, prompt_len : prompt_len + len(c)] = 1
-        comp_mask[i, : len(c)] = 1.0
+        lm = None if loss_masks is None else loss_masks[i]
+        if lm is None:
+            comp_mask[i, : len(c)] = 1.0
+        elif len(lm) != len(c):
+            raise ValueError(
+                f"row {i}: loss mask of {len(lm)} entries for {len(c)} completion tokens; "
+                "they must match"
+            )
+        else:
+            comp_mask[i, : len(c)] = lm
     return tokens, mask, comp_mask
 
 

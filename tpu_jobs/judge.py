@@ -26,6 +26,12 @@ API (stable; the evaluator and the rollout worker import it):
     judged_completion_len(max_new_tokens, tok) -> int   completion slots of a judge row
         (learning to judge: solution + suffix + verdict in the trainer's completion).
 
+A tool episode is judged as a reader sees it: its completion, observations included, is
+the judged solution (the tool's output is evidence for the answer), and the score is read at
+the verdict position alone, so no per-token loss mask enters it. In a learning-to-judge row
+the whole solution, observations and sampled turns alike, is context with loss mask 0;
+only the verdict is trained.
+
 `model` is an nnx `tpu_jobs.model.Transformer` (e.g. the evaluator's `self.model` after
 `load_flat_params`). Rows are scored in chunks of `batch_size`, each packed with
 `tpu_jobs.batching.pack_rows` (prompt right-aligned, context left-aligned) into widths

@@ -23,6 +23,26 @@ Array conventions (all completion-token arrays are [B, T], one row per sampled c
   are never read (they are replaced by 0 before any arithmetic, so pads may hold -inf or
   NaN). Real tokens need not start at column 0 (the repository's rows are
   `[pad, prompt, completion, pad]`), and GAE / REINFORCE++ returns skip masked gaps.
+
+The loss mask (tool episodes, learning to judge). The trainer passes as `mask` the
+completion mask times `RolloutBatch.loss_mask`: 1 on the tokens the policy sampled, 0 on
+context inside the completion (a tool's observations, a judged solution). Those tokens are
+attended to by the model (the attention mask keeps them) but every part below sees only the
+sampled tokens, exactly as if the masked ones were absent from the row:
+
+- losses, KL and entropy terms and every metric (clip fractions, ratio, KL, entropy,
+  advantage and IS statistics) are over sampled tokens; `num_tokens` counts them;
+- token-level aggregation ("token_mean", DAPO) divides by the batch's sampled tokens;
+  "seq_mean_token_mean" by each sequence's sampled tokens; Dr. GRPO's L_max stays the
+  constant `max_len` (default: the array width, observation slots included);
+- GSPO's sequence ratio is the geometric mean over the sampled tokens; a sequence-level IS
+  weight is the product over them;
+- the terminal reward sits on the last sampled token (an episode that ends on an
+  observation ends, for the policy, on its last own token), and GAE, REINFORCE++ returns
+  and the KL reward penalty treat an observation as part of the environment's transition,
+  not as a step: V and A flow from the next sampled token across the gap with no
+  discount (gamma and lambda count sampled tokens only), the critic's values at masked
+  positions are neither read nor trained.
 - `rewards`: one scalar per sequence, [B].
 - Groups (GRPO-style): rows are `num_prompts * G` contiguous groups of size `G`
   (`group_size=G`), or any grouping given by integer `group_ids` [B] (O(B^2) pairwise
@@ -403,6 +423,9 @@ def gae_advantages(
     delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, where t+1 is the
     next real token and the state after the last real token is terminal (V = 0; a completion
     cut at max_new_tokens is treated as terminal too). returns = A + V (before whitening).
+    Masked tokens (a tool's observation) are not steps: t+1 is the next unmasked token even
+    across a gap, so the observation is part of the transition from t to t+1 and its
+    values are never read.
     If `whiten`, advantages are normalised over all real tokens of the batch.
     """
     if values is None:
@@ -632,6 +655,9 @@ def gspo_loss(
     """GSPO (Zheng et al. 2025): the clipped surrogate on the sequence-level ratio
 
         s_i = (pi(y_i) / pi_old(y_i))^(1/|y_i|) = exp(mean_t log(pi / pi_old)),
+
+    (|y_i| and the mean over the sampled tokens of the mask: a tool's observations are not
+    part of y_i)
 
     clipped to [1 - eps_low, 1 + eps_high] (the paper's 3e-4 / 4e-4). Written in the
     GSPO-token form s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]: its value is s_i on every token
@@ -1069,6 +1095,12 @@ def overlong_penalty(lengths: np.ndarray, max_len: int, cache_len: int) -> np.nd
         -1                                 if |y| > L_max
 
     with L_max = `max_len`, L_cache = `cache_len` (the paper: 20480 and 4096).
+
+    In a tool episode |y| counts every completion token, the tool's observations included,
+    and L_max is the episode's token budget: the penalty is the soft ramp before the cut
+    that the budget makes, and the budget counts observations too (counting only sampled
+    tokens would let an episode be cut with no penalty, the reward noise this removes).
+    The policy controls the observations' length through what its programs print.
     """
     if not 0 < cache_len <= max_len:
         raise ValueError(

@@ -103,6 +103,20 @@ def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completio
     return pack_rows(prompts, completions, prompt_len, width, tok.pad_id)
 
 
+def sft_loss(fns, params, tokens, mask, comp_mask, prompt_len: int) -> jax.Array:
+    """Mean negative log-likelihood of the trained completion tokens (a pure function).
+
+    tokens, mask [B, P + C] (`pack_rows`: `mask` is the attention mask, every real token);
+    comp_mask [B, C] is 1 on the completion tokens to learn and 0 elsewhere. A teacher
+    transcript with a tool's observations passes them with 0 in comp_mask (`pack_rows`'
+    `loss_masks`): they stay in the sequence as context, attended to at their positions,
+    but are not targets and do not count in the mean (tests/tpu_jobs/test_loss_mask.py).
+    `fns` is the model's functional form (`tpu_jobs.state.split_model`).
+    """
+    logp = fns.logprobs(params, tokens, mask, first=prompt_len)  # completion positions
+    return -(logp * comp_mask).sum() / jnp.maximum(comp_mask.sum(), 1.0)
+
+
 def train_sft(run: Run) -> dict[str, float]:
     """Train the base model and publish it as version 0 of `base/`.
 
@@ -134,13 +148,11 @@ def train_sft(run: Run) -> dict[str, float]:
     tx = make_optimizer(sc.lr, sc.warmup_steps, sc.steps, sc.weight_decay, 1.0)
     opt_state = tx.init(params)
 
-    def loss_fn(params, tokens, mask, comp_mask):
-        logp = fns.logprobs(params, tokens, mask, first=prompt_len)  # completion positions
-        return -(logp * comp_mask).sum() / jnp.maximum(comp_mask.sum(), 1.0)
-
     @jax.jit
     def step_fn(params, opt_state, tokens, mask, comp_mask):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask, comp_mask)
+        loss, grads = jax.value_and_grad(
+            lambda prm: sft_loss(fns, prm, tokens, mask, comp_mask, prompt_len)
+        )(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

@@ -31,6 +31,15 @@ the sampler's log-probs (classic PPO on stored log-probs). Every step logs the a
 of trainer and sampler (mean / max |log pi_old - log pi_behaviour|) and the IS-ratio
 statistics, whichever mode is on.
 
+The loss mask. A batch's optional `loss_mask` (per completion token, 1 = sampled by the
+policy) is multiplied into the completion mask (`batching.pack_rows`), never into the
+attention mask: masked tokens (a tool episode's observations, a judge row's judged
+solution) stay in the sequence and are attended to, but carry no loss, advantage, KL,
+entropy, value loss or statistic (pi_old / pi_behaviour alignment, IS ratios, clip
+fractions). How each algorithm treats them (token counts, GSPO's sequence ratio, GAE across
+an observation) is in `tpu_jobs.losses`; packing (`trainer.pack`) sees the attention mask
+only and gives the same numbers (tests/tpu_jobs/test_loss_mask.py).
+
 Learning to judge (`rollout.judge_fraction` > 0, see tpu_jobs/rollout_worker.py): judge
 rows carry the judged solution + suffix as completion-side context with a `loss_mask` of 0,
 so the completion mask is multiplied by it and only the verdict tokens carry loss,
@@ -616,12 +625,12 @@ class Learner:
         pad = self.rows - n
         prompts = list(batch.prompt_ids) + [[]] * pad
         completions = list(batch.completion_ids) + [[]] * pad
+        # The loss mask (judge rows: the verdict; tool episodes: the sampled turns, not the
+        # observations) goes into comp_mask; the attention mask keeps every token.
+        loss_masks = None if batch.loss_mask is None else list(batch.loss_mask) + [None] * pad
         tokens, mask, comp_mask = pack_rows(
-            prompts, completions, self.prompt_len, self.completion_len, pad_id
+            prompts, completions, self.prompt_len, self.completion_len, pad_id, loss_masks
         )
-        if batch.loss_mask is not None:  # judge rows: only the verdict tokens are trained
-            loss_mask = [batch.token_mask(i) for i in range(n)] + [[]] * pad
-            comp_mask = comp_mask * pad_values(loss_mask, self.completion_len)
         logp_b = pad_values(list(batch.behaviour_logprobs) + [[]] * pad, self.completion_len)
         rewards = np.zeros(self.rows, np.float32)
         rewards[:n] = batch.reward
