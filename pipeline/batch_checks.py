@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 
 from pipeline.parquet_bytes import table_from_bytes
 from pipeline.rollouts import FULL_SCHEMA, KINDS, SCHEMA, RolloutBatch, batch_from_table
+from pipeline.tool_calls import ERROR_KINDS
 
 # A sampled token's log-probability is <= 0; allow rounding of a low-precision sampler.
 MAX_LOGPROB = 1e-3
@@ -136,6 +137,7 @@ def check_rows(table: pa.Table, lim: BatchLimits) -> None:
             raise BadBatchError(f"row {_first(wrong)}: kind is not one of {', '.join(KINDS)}")
     _check_tokens(table, lim)
     _check_values(table, lim)
+    _check_episodes(table)
 
 
 def _check_tokens(table: pa.Table, lim: BatchLimits) -> None:
@@ -194,3 +196,50 @@ def _check_values(table: pa.Table, lim: BatchLimits) -> None:
     if wrong.any():
         row = _first(wrong)
         raise BadBatchError(f"row {row}: reward is {reward[row]}; allowed: finite, in [{lo}, {hi}]")
+
+
+def _check_episodes(table: pa.Table) -> None:
+    """The tool-episode columns (null on single-turn rows): turns >= 1 and set together
+    with tool_calls, 0 <= tool_calls <= turns, and at most one error per call, each an
+    ERROR_KINDS entry."""
+    if "turns" not in table.column_names:
+        return
+    n = table.num_rows
+    turns = table.column("turns")
+    present = pc.is_valid(turns).to_numpy(zero_copy_only=False)
+    t = pc.fill_null(turns, 0).to_numpy(zero_copy_only=False)
+    if "tool_calls" in table.column_names:
+        calls_col = table.column("tool_calls")
+        calls_present = pc.is_valid(calls_col).to_numpy(zero_copy_only=False)
+        calls = pc.fill_null(calls_col, 0).to_numpy(zero_copy_only=False)
+    else:
+        calls_present, calls = np.zeros(n, bool), np.zeros(n, np.int64)
+    wrong = present != calls_present
+    if wrong.any():
+        raise BadBatchError(f"row {_first(wrong)}: turns and tool_calls must be set together")
+    wrong = present & (t < 1)
+    if wrong.any():
+        raise BadBatchError(f"row {_first(wrong)}: turns is {t[_first(wrong)]}; allowed: >= 1")
+    wrong = present & ((calls < 0) | (calls > t))
+    if wrong.any():
+        row = _first(wrong)
+        raise BadBatchError(
+            f"row {row}: tool_calls is {calls[row]} for {t[row]} turns; allowed: 0..turns"
+        )
+    if "tool_errors" not in table.column_names:
+        return
+    errors, error_rows, n_errors = _lists(table, "tool_errors")
+    wrong = ~np.isin(errors.astype(object), ERROR_KINDS)
+    if wrong.any():
+        at = _first(wrong)
+        raise BadBatchError(
+            f"row {error_rows[at]}: tool_errors holds {errors[at]!r}; allowed: "
+            + ", ".join(ERROR_KINDS)
+        )
+    wrong = n_errors > np.where(present, calls, 0)
+    if wrong.any():
+        row = _first(wrong)
+        raise BadBatchError(
+            f"row {row}: {n_errors[row]} tool_errors for {calls[row] if present[row] else 0} "
+            "tool calls; allowed: at most one per call"
+        )

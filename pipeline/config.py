@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from pipeline import algorithms, sandbox
+from pipeline import algorithms, environments, sandbox
 from pipeline.errors import ConfigError
 from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
@@ -31,6 +31,7 @@ from pipeline.sandbox.api import URL_ALLOWED, check_url
 from pipeline.tasks import TASKS
 from pipeline.tasks.base import SyntheticTask
 from pipeline.tokenizer import TOKENIZERS
+from pipeline.tool_calls import TRUNCATED
 
 TOKENIZER_NAMES = (*TOKENIZERS, "hf")  # the built-in ones, or the imported one
 
@@ -678,6 +679,67 @@ class SandboxConfig:
             sandbox.configure(self.url, os.environ.get(self.token_env), self.concurrency or None)
 
 
+@dataclass(frozen=True)
+class EnvironmentConfig:
+    """Multi-turn episodes with a tool (`pipeline.environments`, `tpu_jobs.episodes`).
+
+    name: the environment (`pipeline.environments.ENVIRONMENTS`): "none" (the default)
+        samples one turn per completion as before; "python" lets a turn call the Python
+        tool (`pipeline.tool_calls`), whose output is appended and generation resumes.
+    max_turns: generated turns per episode at most (the last one gets no observation).
+    max_episode_tokens: the completion's budget: every turn's sampled tokens and every
+        observation's tokens together; a turn samples at most min(sampler.max_new_tokens,
+        what is left), and an observation that would leave no room ends the episode. The
+        trainer's completion slots are this long when an environment is set.
+    observation_chars: an observation's text is cut to this many characters.
+    timeout_s, memory_mb: the sandbox limits of one tool call.
+    failed_call_penalty: reward shaping: subtracted from the verifier's reward once per
+        failed tool call (an error, timeout, memory or output-limit status, or a malformed
+        call); 0 (the default) leaves the verifier's reward alone.
+    """
+
+    name: str = "none"
+    max_turns: int = 4
+    max_episode_tokens: int = 192
+    observation_chars: int = 256
+    timeout_s: float = 5.0
+    memory_mb: int = 256
+    failed_call_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        _one_of("environment.name", self.name, environments.ENVIRONMENTS)
+        _check(self.max_turns >= 1, "environment.max_turns", self.max_turns, ">= 1")
+        _check(
+            self.max_episode_tokens >= 1,
+            "environment.max_episode_tokens",
+            self.max_episode_tokens,
+            ">= 1 token",
+        )
+        _check(
+            self.observation_chars > len(TRUNCATED),
+            "environment.observation_chars",
+            self.observation_chars,
+            f"> {len(TRUNCATED)} characters (room for the truncation mark)",
+        )
+        _check(0 < self.timeout_s <= 600, "environment.timeout_s", self.timeout_s, "(0, 600] s")
+        _check(self.memory_mb >= 64, "environment.memory_mb", self.memory_mb, ">= 64 MB")
+        _check(
+            0 <= self.failed_call_penalty <= 1,
+            "environment.failed_call_penalty",
+            self.failed_call_penalty,
+            "[0, 1] (0: off)",
+        )
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes go through the environment loop (any environment but "none")."""
+        return self.name != environments.NONE
+
+    def reward_floor(self) -> float:
+        """How far below the verifier's range shaping can take a reward."""
+        return self.failed_call_penalty * self.max_turns if self.multi_turn else 0.0
+
+
 MESH_AXES = ("data", "fsdp", "tensor")  # = tpu_jobs.mesh.AXES (this module imports no jax)
 
 
@@ -785,11 +847,33 @@ class RunConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     paramserver: ParamServerConfig = field(default_factory=ParamServerConfig)
 
     def __post_init__(self) -> None:
         _check(self.seed >= 0, "seed", self.seed, ">= 0")
         _check(self.workers >= 1, "workers", self.workers, ">= 1")
+        env = self.environment
+        _check(
+            not env.multi_turn or env.max_episode_tokens < self.model.max_seq_len,
+            "environment.max_episode_tokens",
+            env.max_episode_tokens,
+            f"< model.max_seq_len={self.model.max_seq_len} (the prompt needs room too)",
+        )
+        if env.multi_turn:
+            _check(
+                self.sampler.engine == "jax",
+                "sampler.engine",
+                self.sampler.engine,
+                f"'jax' with environment.name={env.name!r} (tool episodes resume requests "
+                "from the engine's KV cache)",
+            )
+            _check(
+                self.rollout.judge_fraction == 0,
+                "rollout.judge_fraction",
+                self.rollout.judge_fraction,
+                f"0 with environment.name={env.name!r} (judging tool episodes is not built)",
+            )
         tensor = None if self.mesh.sampler is None else self.mesh.sampler[MESH_AXES.index("tensor")]
         parts = self.paramserver.tensor_parts
         _check(
@@ -826,6 +910,13 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def completion_tokens(self) -> int:
+        """The longest completion a rollout row holds: one turn of sampler.max_new_tokens,
+        or, with an environment, the episode's whole budget (turns and observations)."""
+        if self.environment.multi_turn:
+            return self.environment.max_episode_tokens
+        return self.sampler.max_new_tokens
 
     def digest(self) -> str:
         """A hash of what the config sets (stored in checkpoints, checked on resume).

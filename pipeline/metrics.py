@@ -14,6 +14,8 @@
   `judge_stats` (accuracy, precision, recall at a threshold, with counts),
   `difficulty_buckets` (hard / medium / easy terciles of per-problem pass rate) and
   `judge_stats_by_bucket`.
+- Tool episodes: `tool_use_stats` (mean turns, tool-call rate, success rate of calls,
+  failed calls by kind) of a batch's or an evaluation's episodes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from pipeline.tool_calls import ERROR_KINDS
 
 ArrayLike = np.ndarray | Sequence[float] | Sequence[bool]
 
@@ -326,3 +330,34 @@ def judge_stats_by_bucket(
         stats["pass_rate_max"] = float(rates[ix].max()) if ix.any() else None
         out[name] = stats
     return out
+
+
+def tool_use_stats(
+    turns: Sequence[int | None],
+    tool_calls: Sequence[int | None],
+    tool_errors: Sequence[Sequence[str] | None],
+) -> dict[str, object]:
+    """How a set of tool episodes used the tool (rows whose `turns` is None, single-turn
+    ones, are left out; {} when none is an episode):
+
+    episodes, mean_turns, tool_call_rate (fraction of episodes that called the tool at
+    least once), calls_per_episode, tool_success_rate (fraction of calls that ran without
+    an error; None without calls) and tool_errors ({ERROR_KINDS entry: failed calls})."""
+    rows = [i for i, t in enumerate(turns) if t is not None]
+    if not rows:
+        return {}
+    calls = np.asarray([tool_calls[i] or 0 for i in rows], np.int64)
+    errors = [list(tool_errors[i] or ()) for i in rows]
+    failed = sum(len(e) for e in errors)
+    by_kind = {kind: 0 for kind in ERROR_KINDS}
+    for e in errors:
+        for kind in e:
+            by_kind[kind] += 1
+    return {
+        "episodes": len(rows),
+        "mean_turns": float(np.mean([turns[i] for i in rows])),
+        "tool_call_rate": float((calls > 0).mean()),
+        "calls_per_episode": float(calls.mean()),
+        "tool_success_rate": float(1 - failed / calls.sum()) if calls.sum() else None,
+        "tool_errors": by_kind,
+    }

@@ -365,6 +365,7 @@ def build_report(run: Run) -> str:
             lines += _coevolution_section(evals)
             pngs[f"{REPORT_PREFIX}/judge_vs_pass.png"] = plot_judge_vs_pass(evals)
             lines += ["", "![judge accuracy vs pass@1](judge_vs_pass.png)", ""]
+    lines += _tools_section(run, train, evals)
     lines += _orm_section(run)
     lines += _glossary(evals, streams)
     md = "\n".join(lines)
@@ -435,6 +436,86 @@ def _coevolution_section(evals: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| v{e['version']} | " + " | ".join(_fmt(e["metrics"].get(n)) for n in names) + " |"
         )
+    return lines
+
+
+def time_split(
+    train: list[dict[str, Any]], rollouts: list[dict[str, Any]]
+) -> list[dict[str, float]]:
+    """Per trainer step: seconds of generation and of tool execution (the committed
+    rollout record of the step's batch) and of training (the step's own record)."""
+    made = {r["batch_index"]: r for r in rollouts if r.get("committed") and "tool_s" in r}
+    out = []
+    for t in train:
+        r = made.get(t.get("batch_index"))
+        if r is not None:
+            out.append(
+                {
+                    "step": t["step"],
+                    "generate_s": float(r["generate_s"]),
+                    "tool_s": float(r["tool_s"]),
+                    "train_s": float(t["step_s"]),
+                }
+            )
+    return out
+
+
+def _rate(v: float | None) -> str:
+    return "–" if v is None else f"{v:.3f}"
+
+
+def _tools_section(run: Run, train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> list[str]:
+    """Tool episodes: tool use per evaluated version and per step, and each step's time
+    split between generation, tool execution and training."""
+    steps = [t for t in train if t.get("tools")]
+    versions = [e for e in evals if e.get("tools")]
+    if not steps and not versions:
+        return []
+    head = (
+        "| mean turns | tool-call rate | calls per episode | call success | failed calls by kind |"
+    )
+    lines = ["", f"## Tool episodes (environment `{run.config.environment.name}`)", ""]
+
+    def cells(st: dict[str, Any]) -> str:
+        errors = ", ".join(f"{k} {n}" for k, n in st["tool_errors"].items() if n) or "none"
+        return (
+            f"{st['mean_turns']:.2f} | {st['tool_call_rate']:.3f} | "
+            f"{st['calls_per_episode']:.2f} | {_rate(st['tool_success_rate'])} | {errors} |"
+        )
+
+    if versions:
+        lines += ["| version | pass@1 " + head, "|---|---|---|---|---|---|---|"]
+        for e in versions:
+            lines.append(
+                f"| v{e['version']} | {_fmt(e['metrics'].get('pass@1'))} | " + cells(e["tools"])
+            )
+        lines.append("")
+    split = {s["step"]: s for s in time_split(train, run.read_metrics("rollout"))}
+    if steps:
+        lines += [
+            "| step " + head + " generation s | tools s | training s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        every = max(1, len(steps) // 20)  # at most ~20 rows
+        for t in steps[::every]:
+            sp = split.get(t["step"])
+            times = (
+                f" {sp['generate_s']:.1f} | {sp['tool_s']:.1f} | {sp['train_s']:.1f} |"
+                if sp
+                else " – | – | – |"
+            )
+            lines.append(f"| {t['step']} | " + cells(t["tools"]) + times)
+    if split:
+        total = {k: sum(s[k] for s in split.values()) for k in ("generate_s", "tool_s", "train_s")}
+        whole = sum(total.values()) or 1.0
+        lines += [
+            "",
+            f"Time over {len(split)} steps: generation {total['generate_s']:.0f} s "
+            f"({100 * total['generate_s'] / whole:.0f}%), tool execution {total['tool_s']:.0f} s "
+            f"({100 * total['tool_s'] / whole:.0f}%), training {total['train_s']:.0f} s "
+            f"({100 * total['train_s'] / whole:.0f}%); generation and tools are the rollout "
+            "workers' (they run beside the trainer), training the trainer's step.",
+        ]
     return lines
 
 

@@ -13,6 +13,14 @@ on the solution and suffix tokens (context the policy did not sample here) and 1
 verdict tokens; `behaviour_logprobs` are 0 where the mask is 0. Both columns are optional:
 a batch written before them (or a row with a null mask) reads as all "solve" with an
 all-ones mask.
+
+Tool episodes (`environment.name` other than "none", `tpu_jobs.episodes`): a row's
+`completion_ids` hold all its turns and the observations appended between them
+(`pipeline.tool_calls`); `loss_mask` is 1 on sampled tokens and 0 on observation tokens,
+whose `behaviour_logprobs` are 0. `turns` is the number of generated turns, `tool_calls`
+the turns that ended in a call (malformed ones included), `tool_errors` one
+`pipeline.tool_calls.ERROR_KINDS` entry per failed call, in call order. All three are null
+on single-turn rows and in batches written before them.
 """
 
 from __future__ import annotations
@@ -46,7 +54,12 @@ SCHEMA = pa.schema(
 OPTIONAL_FIELDS = [
     ("kind", pa.string()),  # "solve" | "judge"
     ("loss_mask", pa.list_(pa.int8())),  # per completion token; null: all ones
+    ("turns", pa.int32()),  # generated turns of a tool episode; null: single turn
+    ("tool_calls", pa.int32()),  # turns that ended in a tool call; null: none
+    ("tool_errors", pa.list_(pa.string())),  # an ERROR_KINDS entry per failed call
 ]
+# The per-row columns of tool episodes (null on single-turn rows).
+EPISODE_FIELDS = ("turns", "tool_calls", "tool_errors")
 FULL_SCHEMA = pa.schema([*SCHEMA, *OPTIONAL_FIELDS])
 KINDS = ("solve", "judge")
 
@@ -70,6 +83,9 @@ class RolloutBatch:
     worker_id: str
     kind: list[str] | None = None  # None: every row is "solve"
     loss_mask: list[list[int] | None] | None = None  # None (or a None row): all ones
+    turns: list[int | None] | None = None  # None (or a None row): a single-turn row
+    tool_calls: list[int | None] | None = None
+    tool_errors: list[list[str] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_id)
@@ -86,6 +102,12 @@ class RolloutBatch:
         """The loss mask of one row's completion tokens (all ones when none is stored)."""
         m = None if self.loss_mask is None else self.loss_mask[row]
         return [1] * len(self.completion_ids[row]) if m is None else list(m)
+
+    def is_episode(self) -> np.ndarray:
+        """[rows] bool: the rows that are tool episodes (`turns` not null)."""
+        if self.turns is None:
+            return np.zeros(len(self), bool)
+        return np.asarray([t is not None for t in self.turns], bool)
 
     def num_tokens(self) -> int:
         return int(sum(len(c) for c in self.completion_ids))
@@ -107,6 +129,12 @@ def to_parquet_bytes(batch: RolloutBatch) -> bytes:
                     f"row {i}: loss_mask has {len(m)} entries for "
                     f"{len(batch.completion_ids[i])} completion tokens; they must match"
                 )
+    episode = {}
+    for name in EPISODE_FIELDS:
+        values = getattr(batch, name)
+        if values is not None and len(values) != n:
+            raise ValueError(f"rollout batch has {len(values)} {name} values for {n} rows")
+        episode[name] = [None] * n if values is None else list(values)
     table = pa.table(
         {
             "batch_index": np.full(n, batch.batch_index, np.int64),
@@ -128,6 +156,7 @@ def to_parquet_bytes(batch: RolloutBatch) -> bytes:
                 if batch.loss_mask is None
                 else [None if m is None else list(m) for m in batch.loss_mask]
             ),
+            **episode,
         },
         schema=FULL_SCHEMA,
     )
@@ -163,6 +192,7 @@ def batch_from_table(table: pa.Table) -> RolloutBatch:
         worker_id=cols["worker_id"][0],
         kind=cols.get("kind"),
         loss_mask=cols.get("loss_mask"),
+        **{name: cols.get(name) for name in EPISODE_FIELDS},
     )
 
 

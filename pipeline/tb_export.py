@@ -38,6 +38,7 @@ from pipeline.storage import local_path
 
 EVENT_PREFIX = "events.out.tfevents."
 SKIP_KEYS = {"index", "time", "step", "version"}  # bookkeeping, or the x axis itself
+X_KEYS = {"rollout": "batch_index"}  # streams whose x axis is not the trainer step
 CI_KEYS = {"mean", "lo", "hi"}
 
 
@@ -53,9 +54,10 @@ def tb_tag(path: str) -> str:
 
 
 def x_value(stream: str, record: dict[str, Any]) -> int:
-    """The record's position on the x axis: weight version for evaluations, else the
-    trainer step when the record has one, else its index."""
-    key = "version" if stream.startswith("eval") else "step"
+    """The record's position on the x axis: weight version for evaluations, batch index
+    for rollout attempts (their tool use and generation / tool time), else the trainer
+    step when the record has one, else its index."""
+    key = "version" if stream.startswith("eval") else X_KEYS.get(stream, "step")
     value = record.get(key, record.get("index", 0))
     return int(value)
 

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.environments import make_environment
 from pipeline.metrics import (
     best_of_k,
     bootstrap_auc,
@@ -54,6 +55,7 @@ from pipeline.metrics import (
     judge_stats_by_bucket,
     maj_at_k,
     pass_at_k,
+    tool_use_stats,
     within_problem_auc,
 )
 from pipeline.paramserver import ParamServer
@@ -62,6 +64,7 @@ from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.tasks import get_task
 from pipeline.tasks.datasets import DATASETS, load_dataset
 from tpu_jobs import mesh as meshlib
+from tpu_jobs.episodes import sample_episodes_and_verify
 from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import load_orm, self_scores
 from tpu_jobs.model import init_model, load_flat_params
@@ -245,21 +248,34 @@ class Evaluator:
         n = self.n
         rows = [(pi, s) for pi in range(len(self.problems)) for s in range(n)]
         keys = sample_keys(self.cfg.seed, EVAL_STREAM, 0, 0, len(self.problems), n)
-        scored = sample_and_verify(
-            self.sampler,
-            self.model,
-            self.tok,
-            [self.problems[pi] for pi, _ in rows],
-            keys,
+        problems = [self.problems[pi] for pi, _ in rows]
+        sampling = dict(
             max_new_tokens=self.cfg.sampler.max_new_tokens,
             temperature=ec.temperature,
             dtype=self.cfg.sampler.dtype,
-            batch_size=ec.batch_size,
         )
+        env = self.cfg.environment
+        if env.multi_turn:  # tool episodes, as the rollout workers make them
+            scored = sample_episodes_and_verify(
+                self.sampler, self.model, self.tok, make_environment(env), env, problems, keys,
+                **sampling,
+            )  # fmt: skip
+        else:
+            scored = sample_and_verify(
+                self.sampler,
+                self.model,
+                self.tok,
+                problems,
+                keys,
+                batch_size=ec.batch_size,
+                **sampling,
+            )
         texts, completion_ids = scored.texts, scored.completion_ids
         rewards = scored.rewards.reshape(len(self.problems), n)
         answers: list[list[str | None]] = [[None] * n for _ in self.problems]
-        for (pi, s), text in zip(rows, texts, strict=True):
+        # The verifier's reading: a tool episode's answer is in its last turn.
+        answer_texts = scored.final_texts or texts
+        for (pi, s), text in zip(rows, answer_texts, strict=True):
             answers[pi][s] = get_task(self.problems[pi].task).extract_answer(text)
         columns: dict[str, Any] = {
             "version": np.full(len(rows), version, np.int64),
@@ -272,6 +288,10 @@ class Evaluator:
             "reward": rewards.reshape(-1),
             "num_tokens": scored.lengths,
         }
+        if scored.turns is not None:  # tool episodes
+            columns["turns"] = np.asarray(scored.turns, np.int32)
+            columns["tool_calls"] = np.asarray(scored.tool_calls, np.int32)
+            columns["tool_errors"] = pa.array(scored.tool_errors, pa.list_(pa.string()))
         judged_prompts = scored.prompt_ids
         if ec.self_prm:  # the evaluated version judges its own samples
             columns["self_score"] = self_scores(
@@ -323,6 +343,8 @@ class Evaluator:
             "metrics": summary(np.arange(p)),
             "per_task": {t: summary(np.asarray(ix)) for t, ix in sorted(by_task.items())},
         }
+        if "turns" in cols:  # tool episodes: how they used the tool
+            record["tools"] = tool_use_stats(cols["turns"], cols["tool_calls"], cols["tool_errors"])
         if scores:
             record["judge"] = judge_report(scores, correct)
             record["judge_threshold"] = JUDGE_THRESHOLD

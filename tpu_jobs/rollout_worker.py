@@ -51,7 +51,9 @@ import jax
 import numpy as np
 
 from pipeline import failpoints
+from pipeline.environments import make_environment
 from pipeline.leases import BatchLeases
+from pipeline.metrics import tool_use_stats
 from pipeline.paramserver import CorruptSnapshotError, Snapshot, SnapshotNotFoundError
 from pipeline.problem_sets import check_representable
 from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
@@ -59,6 +61,7 @@ from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks.judge import judge_context, judge_reward
 from tpu_jobs import mesh as meshlib
+from tpu_jobs.episodes import sample_episodes_and_verify
 from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import VERDICT_MAX_TOKENS, suffix_ids
 from tpu_jobs.losses import filter_constant_groups, overlong_penalty
@@ -138,6 +141,7 @@ class RolloutWorker:
         self.mesh = mesh or sampler_mesh(self.cfg, "rollout worker")
         self.model = init_model(self.cfg.model, self.cfg.seed)
         self.sampler = make_sampler(self.cfg, self.tok, self.mesh)
+        self.env = make_environment(self.cfg.environment)
         self.version: int | None = None
         # The snapshot of `version` as pulled: the next version is rebuilt from it with
         # the deltas in between (pipeline/paramserver.py).
@@ -180,27 +184,46 @@ class RolloutWorker:
         # prompt stream (R = 1 without dynamic sampling: the plain batch slice).
         idx = batch_problem_indices(index * rounds + rnd, p, len(self.problems), cfg.seed)
         problems = [self.problems[i] for i in idx]
-        scored = sample_and_verify(
-            self.sampler,
-            self.model,
-            self.tok,
-            [q for q in problems for _ in range(g)],
-            sample_keys(cfg.seed, ROLLOUT_STREAM, index, rnd * p, p, g),
+        rows = [q for q in problems for _ in range(g)]
+        keys = sample_keys(cfg.seed, ROLLOUT_STREAM, index, rnd * p, p, g)
+        sampling = dict(
             max_new_tokens=cfg.sampler.max_new_tokens,
             temperature=cfg.sampler.temperature,
             top_k=cfg.sampler.top_k,
             top_p=cfg.sampler.top_p,
             dtype=cfg.sampler.dtype,
-            batch_size=-(-p * g // cfg.rollout.sample_chunks),
         )
+        if cfg.environment.multi_turn:  # tool episodes (tpu_jobs/episodes.py)
+            scored = sample_episodes_and_verify(
+                self.sampler,
+                self.model,
+                self.tok,
+                self.env,
+                cfg.environment,
+                rows,
+                keys,
+                **sampling,
+            )
+        else:
+            scored = sample_and_verify(
+                self.sampler,
+                self.model,
+                self.tok,
+                rows,
+                keys,
+                batch_size=-(-p * g // cfg.rollout.sample_chunks),
+                **sampling,
+            )
         completions, texts, logps = scored.completion_ids, scored.texts, scored.logprobs
         rewards = scored.rewards
         verified = rewards.copy()
-        cache = tc.overlong_cache(cfg.sampler.max_new_tokens)
+        longest = cfg.completion_tokens()
+        cache = tc.overlong_cache(longest)
         if cache > 0:  # DAPO soft overlong punishment, added to the verifier's reward
-            pen = overlong_penalty(scored.lengths, cfg.sampler.max_new_tokens, cache)
+            pen = overlong_penalty(scored.lengths, longest, cache)
             rewards = (rewards + pen).astype(np.float32)
         return {
+            "scored": scored,
             "problems": problems,
             "slots": np.arange(p) + rnd * p,
             "prompts": scored.prompt_ids,
@@ -294,9 +317,22 @@ class RolloutWorker:
             "verify_s": sum(r["verify_s"] for r, _ in parts),
             "verify_wait_s": sum(r["verify_wait_s"] for r, _ in parts),
         }
+        episodes = cfg.environment.multi_turn
+        if episodes:  # the time split of tool episodes (the report's generation/tool split)
+            self.last_stats["generate_s"] = sum(r["scored"].generate_s for r, _ in parts)
+            self.last_stats["tool_s"] = sum(r["scored"].tool_s for r, _ in parts)
+            every = [r["scored"] for r, _ in parts]  # every generated episode, kept or not
+            self.last_stats["tools"] = tool_use_stats(
+                [t for s in every for t in s.turns],
+                [c for s in every for c in s.tool_calls],
+                [e for s in every for e in s.tool_errors],
+            )
         cols: dict[str, list[Any]] = {k: [] for k in ("pos", "prob", "pr", "co", "tx", "lp", "rw")}
         fin: list[bool] = []
+        masks: list[list[int] | None] = []
+        ep_cols: dict[str, list[Any]] = {"turns": [], "tool_calls": [], "tool_errors": []}
         for r, take in parts:
+            scored = r["scored"]
             for j in take:
                 rows = range(j * g, (j + 1) * g)
                 cols["pos"] += [int(r["slots"][j])] * g
@@ -307,8 +343,10 @@ class RolloutWorker:
                 cols["lp"] += [r["logps"][i] for i in rows]
                 cols["rw"] += [float(r["rewards"][i]) for i in rows]
                 fin += [bool(r["finished"][i]) for i in rows]
+                masks += [scored.loss_masks[i] if episodes else None for i in rows]
+                for name in ep_cols:
+                    ep_cols[name] += [getattr(scored, name)[i] for i in rows] if episodes else []
         kind = ["solve"] * len(fin)
-        masks: list[list[int] | None] = [None] * len(fin)
         n_judge = cfg.rollout.judge_groups()
         if n_judge:
             judge = self._judge_groups(index, parts[0][0])
@@ -334,7 +372,8 @@ class RolloutWorker:
             policy_version=version,
             worker_id=self.worker_id,
             kind=kind if n_judge else None,
-            loss_mask=masks if n_judge else None,
+            loss_mask=masks if n_judge or episodes else None,
+            **({name: values for name, values in ep_cols.items()} if episodes else {}),
         )
 
     def run_forever(self) -> int:

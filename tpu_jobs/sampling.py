@@ -63,6 +63,15 @@ class Scored:
     rewards: np.ndarray  # float32 [rows]: the task verifier's reward
     verify_s: float = 0.0  # seconds the verifiers ran (on the background thread)
     verify_wait_s: float = 0.0  # seconds the caller waited for them after generating
+    # Tool episodes (tpu_jobs.episodes): per row, the loss mask (0 on observation tokens),
+    # the turns, the tool calls and the failed calls' ERROR_KINDS; None for single turns.
+    loss_masks: list[list[int]] | None = None
+    turns: list[int] | None = None
+    tool_calls: list[int] | None = None
+    tool_errors: list[list[str]] | None = None
+    final_texts: list[str] | None = None  # the last turn: what the verifier read
+    generate_s: float | None = None  # seconds in the engine (tool episodes)
+    tool_s: float | None = None  # seconds waiting on the environment's tools
 
 
 def verify_rows(problems: Sequence[Problem], texts: Sequence[str]) -> list[float]:

@@ -144,7 +144,7 @@ def train_sft(run: Run) -> dict[str, float]:
             "model instead (`rlax import-hf`, or the DAG's hf_checkpoint param)"
         )
     prompt_len = round_up(max(len(tok.encode_prompt(p.prompt)) for p in problems), 8)
-    completion_len = cfg.sampler.max_new_tokens
+    completion_len = cfg.completion_tokens()  # a turn, or a whole tool episode
     if sc.judge_fraction > 0:  # room for the suffix and the verdict
         completion_len = judged_completion_len(completion_len, tok)
 

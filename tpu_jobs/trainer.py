@@ -63,6 +63,7 @@ from pipeline import failpoints, weight_codec
 from pipeline.batch_checks import BadBatchError, BatchLimits, read_checked
 from pipeline.config import ModelConfig, RunConfig
 from pipeline.leases import BatchLeases
+from pipeline.metrics import tool_use_stats
 from pipeline.paramserver import (
     CorruptSnapshotError,
     Snapshot,
@@ -389,7 +390,7 @@ class Learner:
         self.mesh = mesh
         self.spec: LossSpec = loss_spec(tc.algorithm, **tc.loss_overrides())
         self.prompt_len = prompt_len
-        self.completion_len = cfg.sampler.max_new_tokens
+        self.completion_len = cfg.completion_tokens()  # a turn, or a whole tool episode
         if cfg.rollout.judge_groups():  # judge rows: solution + suffix + verdict
             if tokenizer is None and cfg.model.tokenizer != "char":
                 raise ValueError(
@@ -807,11 +808,20 @@ class Trainer:
         if result.deleted:
             self.log(f"[trainer] retention deleted v{result.deleted}, kept v{result.kept}")
 
+    @staticmethod
+    def _tool_use(batch: RolloutBatch) -> dict[str, Any]:
+        """The batch's tool use ({"tools": tool_use_stats}) when it holds tool episodes."""
+        if batch.turns is None:
+            return {}
+        stats = tool_use_stats(batch.turns, batch.tool_calls or [], batch.tool_errors or [])
+        return {"tools": stats} if stats else {}
+
     def _limits(self, state: TrainerState) -> BatchLimits:
         tc, cfg = self.cfg.trainer, self.cfg
         lo, hi = REWARD_RANGE
-        if tc.overlong_cache(cfg.sampler.max_new_tokens) > 0:
+        if tc.overlong_cache(cfg.completion_tokens()) > 0:
             lo -= 1.0  # DAPO's overlong punishment reaches -1 (losses.overlong_penalty)
+        lo -= cfg.environment.reward_floor()  # failed tool calls' penalty
         return BatchLimits(
             index=state.next_batch,
             group_size=cfg.rollout.group_size,
@@ -1017,6 +1027,7 @@ class Trainer:
                 "reward_mean": float(batch.reward.mean()),
                 **self._reward_by_kind(batch),
                 "completion_tokens_mean": batch.num_tokens() / len(batch),
+                **self._tool_use(batch),
                 "staleness": staleness,
                 "staleness_hist": dict(state.staleness_hist),
                 "policy_version": batch.policy_version,

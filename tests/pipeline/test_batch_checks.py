@@ -150,3 +150,46 @@ def test_too_many_rows_are_refused():
     lim = BatchLimits(**{**LIMITS.__dict__, "max_rows": 2})
     with pytest.raises(BadBatchError, match="has 4 rows; allowed: whole groups of G=2, at most 2"):
         read_checked(to_parquet_bytes(good_batch()), lim)
+
+
+def episode_batch() -> RolloutBatch:
+    """good_batch() with tool-episode columns: rows 0-1 single-turn, 2-3 episodes."""
+    b = good_batch()
+    b.turns = [None, None, 1, 3]
+    b.tool_calls = [None, None, 0, 2]
+    b.tool_errors = [None, None, [], ["timeout"]]
+    b.loss_mask = [None, None, [1], [1, 0, 0, 1]]
+    return b
+
+
+def test_an_episode_batch_passes_and_round_trips():
+    got = read_checked(to_parquet_bytes(episode_batch()), LIMITS)
+    assert got.turns == [None, None, 1, 3] and got.tool_calls == [None, None, 0, 2]
+    assert got.tool_errors == [None, None, [], ["timeout"]]
+    assert got.is_episode().tolist() == [False, False, True, True]
+    assert got.token_mask(3) == [1, 0, 0, 1] and got.token_mask(0) == [1, 1, 1]
+
+
+EPISODE_BAD = {
+    "turns without tool_calls": ("turns", [1, None, 1, 3], "row 0: turns and tool_calls"),
+    "zero turns": ("turns", [None, None, 0, 3], "row 2: turns is 0; allowed: >= 1"),
+    "more calls than turns": ("tool_calls", [None, None, 2, 2], "row 2: tool_calls is 2 for 1"),
+    "unknown error kind": (
+        "tool_errors",
+        [None, None, [], ["boom"]],
+        "row 3: tool_errors holds 'boom'; allowed: malformed",
+    ),
+    "more errors than calls": (
+        "tool_errors",
+        [None, None, ["error"], ["timeout"]],
+        "row 2: 1 tool_errors for 0 tool calls",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EPISODE_BAD))
+def test_a_planted_bad_episode_value_is_refused_naming_its_row(case):
+    column, values, message = EPISODE_BAD[case]
+    data = with_column(to_parquet_bytes(episode_batch()), column, values)
+    with pytest.raises(BadBatchError, match=message):
+        read_checked(data, LIMITS)

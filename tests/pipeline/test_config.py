@@ -229,6 +229,12 @@ BAD_VALUES = {
     "mesh.trainer": "[0, 1, 1]",
     "mesh.sampler": "[1, 1, 1, 1]",
     "sandbox.concurrency": -1,
+    "environment.max_turns": 0,
+    "environment.max_episode_tokens": 0,
+    "environment.observation_chars": 4,  # no room for the truncation mark
+    "environment.timeout_s": 0,
+    "environment.memory_mb": 32,
+    "environment.failed_call_penalty": -0.1,
     "paramserver.full_every": 0,
     "paramserver.tensor_parts": -1,
     "paramserver.pull_concurrency": 0,
@@ -469,3 +475,19 @@ def test_sandbox_section_defaults_leave_the_digest_and_the_backend_alone(monkeyp
     assert isinstance(backend, RemoteSandbox) and backend.url == "http://127.0.0.1:8123"
     assert backend._http.headers["authorization"] == "Bearer t0k"
     sandbox.configure(None)  # back to the local pool
+
+
+def test_environment_section_names_the_known_environments_and_fits_the_model():
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["environment.name=python"])
+    assert cfg.environment.multi_turn
+    assert cfg.completion_tokens() == cfg.environment.max_episode_tokens
+    assert load_config(ROOT / "configs/tiny.yaml").completion_tokens() == (
+        load_config(ROOT / "configs/tiny.yaml").sampler.max_new_tokens
+    )
+    with pytest.raises(ConfigError, match=r"environment.name='calc' .* 'none', 'python'"):
+        load_config(ROOT / "configs/tiny.yaml", ["environment.name=calc"])
+    with pytest.raises(ConfigError, match=r"max_episode_tokens=.*< model.max_seq_len"):
+        load_config(
+            ROOT / "configs/tiny.yaml",
+            ["environment.name=python", "environment.max_episode_tokens=100000"],
+        )

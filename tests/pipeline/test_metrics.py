@@ -271,3 +271,23 @@ def test_within_problem_auc_ranks_inside_each_problem():
     assert within_problem_auc(np.zeros((2, 3)), np.ones((2, 3), bool)).size == 0
     with pytest.raises(ValueError, match=r"\[P, n\]"):
         within_problem_auc(np.zeros(3), np.zeros(3, bool))
+
+
+def test_tool_use_stats_by_hand():
+    from pipeline.metrics import tool_use_stats
+
+    # 3 episodes (the None row is single-turn): 1, 3 and 2 turns; 0, 2 and 1 calls; the
+    # second episode's calls: one timeout, one fine; the third's: malformed.
+    stats = tool_use_stats([1, 3, None, 2], [0, 2, None, 1], [[], ["timeout"], None, ["malformed"]])
+    assert stats["episodes"] == 3 and stats["mean_turns"] == 2.0
+    assert stats["tool_call_rate"] == 2 / 3 and stats["calls_per_episode"] == 1.0
+    assert stats["tool_success_rate"] == 1 - 2 / 3
+    assert stats["tool_errors"] == {
+        "malformed": 1,
+        "error": 0,
+        "timeout": 1,
+        "memory": 0,
+        "output_limit": 0,
+    }
+    assert tool_use_stats([None], [None], [None]) == {}
+    assert tool_use_stats([1], [0], [[]])["tool_success_rate"] is None

@@ -34,3 +34,23 @@ def test_report_html_renders_tables_and_plots_and_escapes_html():
     assert '<img src="curves.png" alt="curves" />' in page
     assert "<code>gs://b/r</code>" in page
     assert "<table>" not in report_html(None, "no report yet")
+
+
+def test_time_split_joins_each_step_with_its_committed_batch():
+    from pipeline.report import time_split
+
+    train = [
+        {"step": 1, "batch_index": 0, "step_s": 2.0},
+        {"step": 2, "batch_index": 1, "step_s": 3.0},
+        {"step": 3, "batch_index": 2, "step_s": 1.0},  # its batch has no tool timing
+    ]
+    rollouts = [
+        {"batch_index": 0, "committed": False, "generate_s": 9.0, "tool_s": 9.0},  # discarded
+        {"batch_index": 0, "committed": True, "generate_s": 4.0, "tool_s": 1.5},
+        {"batch_index": 1, "committed": True, "generate_s": 5.0, "tool_s": 0.5},
+        {"batch_index": 2, "committed": True, "seconds": 3.0},  # a single-turn batch
+    ]
+    assert time_split(train, rollouts) == [
+        {"step": 1, "generate_s": 4.0, "tool_s": 1.5, "train_s": 2.0},
+        {"step": 2, "generate_s": 5.0, "tool_s": 0.5, "train_s": 3.0},
+    ]
