@@ -101,7 +101,11 @@ class LongMultiplicationTask(SyntheticTask):
         product has twice as many."""
         d = len(str(a))
         if not (
-            a > 0 and b > 0 and len(str(b)) == d and 2 <= d <= MAX_DIGITS and len(str(a * b)) == 2 * d
+            a > 0
+            and b > 0
+            and len(str(b)) == d
+            and 2 <= d <= MAX_DIGITS
+            and len(str(a * b)) == 2 * d
         ):
             raise ValueError(
                 f"long multiplication {a}*{b} is invalid; allowed: two positive operands of "
