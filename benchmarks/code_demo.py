@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from demo_seeds import _ci, _gain, cpu_name, seed_row  # noqa: E402
+from demo_seeds import _ci, _gain, cpu_name, run_local_seed, seed_row  # noqa: E402
 
 from pipeline.run import Run  # noqa: E402
 
@@ -130,22 +129,8 @@ def main() -> int:
         row.pop("passed", None)
         rows.append(row)
     for seed in seeds:
-        url = str(ROOT / "runs" / f"code-demo-{stamp}" / f"seed{seed}")
-        cmd = [sys.executable, "-m", "pipeline.cli", "demo", "--config", args.config]
-        cmd += ["--run", url, f"seed={seed}", *args.overrides]
-        print(f"=== seed {seed}: {' '.join(cmd[1:])}", flush=True)
-        t0 = time.monotonic()
-        code = subprocess.call(cmd, cwd=ROOT)
-        wall = time.monotonic() - t0
-        try:
-            run = Run.open(url)
-            row = seed_row(run, seed, wall, code)
-            row["sandbox"] = sandbox_share(run)
-        except Exception as exc:  # a crashed seed is a row too
-            row = {"seed": seed, "wall_s": wall, "exit_code": code, "error": repr(exc)}
-        row.pop("passed", None)  # demo_seeds' arithmetic target does not apply here
-        rows.append(row)
-        print(json.dumps(row, indent=1, default=str), flush=True)
+        extra = lambda run: {"sandbox": sandbox_share(run)}  # noqa: E731
+        rows.append(run_local_seed("code-demo", args.config, seed, stamp, args.overrides, extra))
 
     cpu = f"{cpu_name()}, {os.cpu_count()} cores"
     lines = [

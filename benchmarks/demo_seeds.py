@@ -129,6 +129,31 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
+def run_local_seed(
+    name: str, config: str, seed: int, stamp: str, overrides: list[str], extra=None
+) -> dict:
+    """One seed of `rlax demo --config CONFIG --run R seed=S ...` (no Airflow: the roles as
+    local processes), timed from start to exit, as a `seed_row` (plus `extra(run)`'s keys);
+    a crashed seed is a row too. R is runs/NAME-STAMP/seedS."""
+    url = str(ROOT / "runs" / f"{name}-{stamp}" / f"seed{seed}")
+    cmd = [sys.executable, "-m", "pipeline.cli", "demo", "--config", config]
+    cmd += ["--run", url, f"seed={seed}", *overrides]
+    print(f"=== seed {seed}: {' '.join(cmd[1:])}", flush=True)
+    t0 = time.monotonic()
+    code = subprocess.call(cmd, cwd=ROOT)
+    wall = time.monotonic() - t0
+    try:
+        run = Run.open(url)
+        row = seed_row(run, seed, wall, code)
+        if extra is not None:
+            row.update(extra(run))
+    except Exception as exc:  # a crashed seed is a row too
+        row = {"seed": seed, "wall_s": wall, "exit_code": code, "error": repr(exc)}
+    row.pop("passed", None)  # the arithmetic demo's target applies to that demo only
+    print(json.dumps(row, indent=1, default=str), flush=True)
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2")

@@ -31,7 +31,7 @@ from pipeline.tasks import TASKS
 from pipeline.tasks.base import SyntheticTask
 from pipeline.tasks.judge import verdict_text
 from pipeline.tasks.mix import synthetic_task
-from tpu_jobs.batching import pack_rows, round_up
+from tpu_jobs.batching import pack_rows, pad_values, round_up
 from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import judged_completion_len, suffix_ids
 from tpu_jobs.state import make_optimizer, new_model, params_to_flat
@@ -82,12 +82,13 @@ def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completio
         jrng = np.random.default_rng([cfg.seed, step, 0x7D6E])
         judged = jrng.random(len(idx)) < judge_fraction
         coins = jrng.random(len(idx)) < 0.5
-    prompts, completions = [], []
+    prompts, completions, sampled = [], [], []
     for row, i in enumerate(idx):
         p = problems[i]
         task = synthetic_task(p.task)
         options = cfg.task.options_for(p.task)
-        text = task.teacher_solution(p, rng, options)
+        pieces = task.teacher_pieces(p, rng, options)
+        text = "".join(piece for piece, _ in pieces)
         prompts.append(tok.encode_prompt(p.prompt))
         if judge_fraction > 0 and judged[row]:
             label = JUDGE_LABELS[cfg.sft.judge_labels]
@@ -95,12 +96,29 @@ def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completio
             completions.append(
                 [*tok.encode(text), *suffix_ids(tok), *tok.encode_completion(verdict)]
             )
+            sampled.append([1] * len(completions[-1]))
         else:
-            completions.append(tok.encode_completion(text))
+            ids, mask = piece_ids(tok, pieces)
+            completions.append([*ids, tok.eos_id])
+            sampled.append([*mask, 1])
     # Pad completions only to the batch's longest, in buckets of 16: fewer wasted
     # positions, and at most completion_len / 16 compiled shapes.
     width = min(completion_len, round_up(max(len(c) for c in completions), 16))
-    return pack_rows(prompts, completions, prompt_len, width, tok.pad_id)
+    tokens, mask, comp_mask = pack_rows(prompts, completions, prompt_len, width, tok.pad_id)
+    return tokens, mask, comp_mask * pad_values(sampled, width)
+
+
+def piece_ids(tok, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """Token ids of a teacher's pieces, each encoded on its own as a tool episode's turns
+    and observations are (`tpu_jobs.episodes`), and the loss mask: 1 on the pieces the
+    policy writes, 0 on the others (a tool's observation: context, not a target)."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, is_sampled in pieces:
+        piece = tok.encode(text)
+        ids += piece
+        mask += [int(is_sampled)] * len(piece)
+    return ids, mask
 
 
 def sft_loss(fns, params, tokens, mask, comp_mask, prompt_len: int) -> jax.Array:

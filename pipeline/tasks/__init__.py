@@ -9,10 +9,18 @@ from pipeline.tasks.arithmetic import ArithmeticTask
 from pipeline.tasks.base import Problem, Task
 from pipeline.tasks.code_task import CodeTask
 from pipeline.tasks.countdown import CountdownTask
+from pipeline.tasks.long_multiplication import LongMultiplicationTask
 from pipeline.tasks.math_task import MathTask
 
 TASKS: dict[str, Task] = {
-    t.name: t for t in (ArithmeticTask(), CountdownTask(), CodeTask(), MathTask())
+    t.name: t
+    for t in (
+        ArithmeticTask(),
+        CountdownTask(),
+        CodeTask(),
+        MathTask(),
+        LongMultiplicationTask(),
+    )
 }
 
 

@@ -135,6 +135,15 @@ class SyntheticTask(Task):
     def teacher_solution(self, problem: Problem, rng: np.random.Generator, options: Any) -> str:
         """A worked completion (without EOS) carrying the teacher's systematic mistakes."""
 
+    def teacher_pieces(
+        self, problem: Problem, rng: np.random.Generator, options: Any
+    ) -> list[tuple[str, bool]]:
+        """`teacher_solution` as (text, sampled) pieces in order: `sampled` is False for
+        text the policy would not write itself (a tool's observation in a tool episode,
+        `pipeline.tool_calls`), which SFT does not train on. The same draws as
+        `teacher_solution`; by default one sampled piece."""
+        return [(self.teacher_solution(problem, rng, options), True)]
+
     def has_teacher(self, problem: Problem) -> bool:
         """Whether `teacher_solution` can demonstrate `problem`: a family that also scores
         curated dataset problems (code) has a teacher only for the ones it generated."""
