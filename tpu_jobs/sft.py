@@ -31,7 +31,7 @@ from pipeline.tasks import TASKS
 from pipeline.tasks.base import SyntheticTask
 from pipeline.tasks.judge import verdict_text
 from pipeline.tasks.mix import synthetic_task
-from tpu_jobs.batching import pack_rows, pad_values, round_up
+from tpu_jobs.batching import pack_rows, round_up
 from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.judge import judged_completion_len, suffix_ids
 from tpu_jobs.state import make_optimizer, new_model, params_to_flat
@@ -104,8 +104,7 @@ def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completio
     # Pad completions only to the batch's longest, in buckets of 16: fewer wasted
     # positions, and at most completion_len / 16 compiled shapes.
     width = min(completion_len, round_up(max(len(c) for c in completions), 16))
-    tokens, mask, comp_mask = pack_rows(prompts, completions, prompt_len, width, tok.pad_id)
-    return tokens, mask, comp_mask * pad_values(sampled, width)
+    return pack_rows(prompts, completions, prompt_len, width, tok.pad_id, loss_masks=sampled)
 
 
 def piece_ids(tok, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
