@@ -133,7 +133,7 @@ def test_parse_overrides_nested():
 BAD_VALUES = {
     "seed": -1,
     "workers": 0,
-    "model.vocab_size": 10,  # below the char tokenizer's 56 ids
+    "model.vocab_size": 10,  # below the char tokenizer's 59 ids
     "model.hidden_size": -8,
     "model.num_layers": -1,
     "model.num_heads": -4,
@@ -164,6 +164,9 @@ BAD_VALUES = {
     "sft.check_every": 0,
     "task.arithmetic.carry_drop_prob": 1.0,
     "task.countdown.error_prob": -0.5,
+    "task.long_multiplication.digits": 1,
+    "task.long_multiplication.tool_prob": 1.5,
+    "task.long_multiplication.digit_error_prob": 1.0,
     "task.code.max_ops": 3,
     "task.code.min_ops": 0,
     "task.code.max_const": 1,

@@ -11,6 +11,7 @@ from pipeline.tasks.arithmetic import ArithmeticOptions, ArithmeticTask, columns
 from pipeline.tasks.base import Problem, SyntheticTask, problem_id
 from pipeline.tasks.code_dsl import CodeOptions
 from pipeline.tasks.countdown import CountdownOptions, CountdownTask, slip, solution_text
+from pipeline.tasks.long_multiplication import LongMultiplicationOptions
 from pipeline.tasks.mix import build_splits
 
 # The teachers without their mistakes.
@@ -18,6 +19,7 @@ CLEAN = {
     "arithmetic": ArithmeticOptions(carry_drop_prob=0.0),
     "countdown": CountdownOptions(error_prob=0.0),
     "code": CodeOptions(error_prob=0.0),
+    "long_multiplication": LongMultiplicationOptions(digit_error_prob=0.0),
 }
 
 
@@ -53,12 +55,13 @@ def sample(task, n, seed, cfg=None):
 
 
 def test_registry_and_config_validation():
-    assert set(TASKS) == {"arithmetic", "countdown", "code", "math"}
-    assert set(SYNTHETIC) == {"arithmetic", "countdown", "code"}
+    assert set(TASKS) == {"arithmetic", "countdown", "code", "math", "long_multiplication"}
+    assert set(SYNTHETIC) == {"arithmetic", "countdown", "code", "long_multiplication"}
     assert get_task("countdown") is COUNT
     with pytest.raises(
         UnknownTaskError,
-        match="'sudoku' is unknown; known families: arithmetic, code, countdown, math",
+        match="'sudoku' is unknown; known families: arithmetic, code, countdown, long_multiplication, "
+        "math",
     ):
         get_task("sudoku")
     with pytest.raises(ConfigError, match="task.families"):
@@ -219,6 +222,7 @@ def test_error_free_teacher_always_verifies(name):
         "arithmetic": lambda p, text: p.answer,
         "countdown": lambda p, text: text.split("#")[-1],
         "code": lambda p, text: text + "\n",
+        "long_multiplication": lambda p, text: p.answer,
     }[name]
     for cfg in (TaskConfig(), tc(min_digits=1, max_digits=8, countdown_numbers=5)):
         problems = sample(task, 1000, seed=2, cfg=cfg)
