@@ -20,7 +20,6 @@ failed or not; there is no pass/fail target (the issue asks for the measurement)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,7 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from demo_seeds import _ci, _gain, cpu_name, run_local_seed, seed_row  # noqa: E402
+from demo_seeds import (  # noqa: E402
+    _ci,
+    _gain,
+    cpu_name,
+    gain_spread,
+    run_local_seed,
+    seed_row,
+    write_results,
+)
 
 from pipeline.run import Run  # noqa: E402
 
@@ -84,16 +91,8 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def spread(rows: list[dict]) -> list[str]:
-    """Mean and standard deviation over the seeds that finished, of each gain."""
-    out = []
-    for name in ("pass@1", "pass@8"):
-        gains = [100 * r[f"gain_{name}"]["mean"] for r in rows if f"gain_{name}" in r]
-        if gains:
-            sd = float(np.std(gains, ddof=1)) if len(gains) > 1 else float("nan")
-            out.append(
-                f"- {name} gain over {len(gains)} seeds: mean {np.mean(gains):+.1f} points, "
-                f"sd {sd:.1f}, range [{min(gains):+.1f}, {max(gains):+.1f}]"
-            )
+    """Each gain's spread over the seeds, and the sandbox's share of a batch."""
+    out = gain_spread(rows)
     shares = [100 * r["sandbox"]["wait_share_mean"] for r in rows if r.get("sandbox")]
     if shares:
         out.append(
@@ -151,11 +150,7 @@ def main() -> int:
         "",
         *spread(rows),
     ]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, lines, rows)
     return 0
 
 

@@ -129,6 +129,29 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
+def gain_spread(rows: list[dict]) -> list[str]:
+    """Mean and standard deviation over the seeds that finished, of each gain."""
+    out = []
+    for name in ("pass@1", "pass@8"):
+        gains = [100 * r[f"gain_{name}"]["mean"] for r in rows if f"gain_{name}" in r]
+        if gains:
+            sd = float(np.std(gains, ddof=1)) if len(gains) > 1 else float("nan")
+            out.append(
+                f"- {name} gain over {len(gains)} seeds: mean {np.mean(gains):+.1f} points, "
+                f"sd {sd:.1f}, range [{min(gains):+.1f}, {max(gains):+.1f}]"
+            )
+    return out
+
+
+def write_results(out: str | Path, lines: list[str], rows: list[dict]) -> None:
+    """The table at `out` (markdown), the raw rows next to it (.json); printed too."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
+    print("\n".join(lines))
+
+
 def run_local_seed(
     name: str, config: str, seed: int, stamp: str, overrides: list[str], extra=None
 ) -> dict:
@@ -200,11 +223,7 @@ def main() -> int:
         "",
         f"**{met} of {len(rows)} seeds met the target.**",
     ]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, lines, rows)
     return 0 if met == len(rows) else 1
 
 

@@ -19,19 +19,23 @@ minutes on the 2-core machine. Writes the table to `--out` and the raw numbers n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from demo_seeds import _ci, _gain, cpu_name, run_local_seed  # noqa: E402
+from demo_seeds import (  # noqa: E402
+    _ci,
+    _gain,
+    cpu_name,
+    gain_spread,
+    run_local_seed,
+    write_results,
+)
 
 from pipeline.parquet_bytes import table_from_bytes  # noqa: E402
 from pipeline.run import Run  # noqa: E402
@@ -101,19 +105,6 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
-def spread(rows: list[dict]) -> list[str]:
-    out = []
-    for name in ("pass@1", "pass@8"):
-        gains = [100 * r[f"gain_{name}"]["mean"] for r in rows if f"gain_{name}" in r]
-        if gains:
-            sd = float(np.std(gains, ddof=1)) if len(gains) > 1 else float("nan")
-            out.append(
-                f"- {name} gain over {len(gains)} seeds: mean {np.mean(gains):+.1f} points, "
-                f"sd {sd:.1f}, range [{min(gains):+.1f}, {max(gains):+.1f}]"
-            )
-    return out
-
-
 def episode_text(ep: dict) -> list[str]:
     """One episode as a reader sees it: the prompt, then the completion verbatim."""
     return [
@@ -160,17 +151,13 @@ def main() -> int:
         "",
         *table(sorted(rows, key=lambda r: r["seed"])),
         "",
-        *spread(rows),
+        *gain_spread(rows),
         "",
         f"**{met} of {len(rows)} seeds met the target.**",
     ]
     if example is not None:
         lines += ["", "A final-version episode that called the tool:", "", *episode_text(example)]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, lines, rows)
     return 0 if met == len(rows) else 1
 
 
