@@ -73,6 +73,8 @@ from tpu_jobs.sampler import (
     _cast_state,
     bucket,
     check_sampling_args,
+    key_data,
+    same_arrays,
     sample_step,
 )
 
@@ -166,9 +168,7 @@ class _Group:
 
 def _key_data(key: jax.Array | np.ndarray) -> np.ndarray:
     """uint32 key data [2] of a typed PRNG key or of key data."""
-    if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    data = np.asarray(key)
+    data = key_data(key)
     if data.dtype != np.uint32 or data.shape != (2,):
         raise ValueError(
             f"a request key of dtype {data.dtype} and shape {data.shape} is invalid; allowed: "
@@ -458,12 +458,7 @@ class Engine:
         graphdef, state = nnx.split(model)
         given = jax.tree.leaves(state)
         hit = self._weights
-        if (
-            hit is not None
-            and hit[0] == dtype
-            and len(hit[1]) == len(given)
-            and all(a is b for a, b in zip(hit[1], given, strict=True))
-        ):
+        if hit is not None and hit[0] == dtype and same_arrays(hit[1], given):
             return hit[2], hit[3]
         self._weights = None
         if self.mesh is not None:

@@ -52,6 +52,7 @@ from pipeline.config import EnvironmentConfig
 from pipeline.environments import Environment, make_environment
 from pipeline.tasks.base import Problem
 from tpu_jobs.engine import Engine, Request, Resume
+from tpu_jobs.sampler import key_data
 from tpu_jobs.sampling import Scored, sample_and_verify, verify_rows
 
 
@@ -161,11 +162,7 @@ def run_episodes(
 
 
 def _key_data(keys: Any, n: int) -> np.ndarray:
-    import jax
-
-    if isinstance(keys, jax.Array) and jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
-        keys = jax.random.key_data(keys)
-    data = np.asarray(keys)
+    data = key_data(keys)
     if data.shape != (n, 2):
         raise ValueError(f"keys of shape {data.shape} for {n} prompts; expected ({n}, 2)")
     return data

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +63,13 @@ class SampleResult:
     logprobs: np.ndarray
     lengths: np.ndarray
     finished: np.ndarray
+
+
+def same_arrays(held: Sequence[Any], given: Sequence[Any]) -> bool:
+    """Whether `given` are the very arrays held (identity, not values): a sampler keeps
+    what it derived from one weight version (a cast copy, a server's weights) until the
+    job loads another version, which comes as new arrays."""
+    return len(held) == len(given) and all(a is b for a, b in zip(held, given, strict=True))
 
 
 def check_sampling_args(
@@ -259,9 +267,20 @@ def _generate(
     return out_tok, out_lp, lengths, done, cache
 
 
+def is_typed_key(keys: Any) -> bool:
+    """Typed PRNG keys (jax.random.key), as opposed to raw uint32 key data."""
+    return isinstance(keys, jax.Array) and jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
+
+
+def key_data(keys: Any) -> np.ndarray:
+    """The uint32 key data of typed PRNG keys (any shape; [..., 2] out), or `keys` as it
+    is when it is key data already."""
+    return np.asarray(jax.random.key_data(keys) if is_typed_key(keys) else keys)
+
+
 def _as_keys(keys: jax.Array, n: int) -> jax.Array:
     """Typed PRNG keys [n] from typed keys [n] or raw uint32 key data [n, 2]."""
-    if isinstance(keys, jax.Array) and jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
+    if is_typed_key(keys):
         typed = keys
     else:
         raw = np.asarray(keys)
@@ -405,12 +424,7 @@ class Sampler:
         (~0.3 s for 75M parameters on 2 cores), too slow to repeat for every batch of one
         version."""
         hit = self._prepared
-        if (
-            hit is not None
-            and hit[0] == dtype
-            and len(hit[1]) == len(given)
-            and all(a is b for a, b in zip(hit[1], given, strict=True))
-        ):
+        if hit is not None and hit[0] == dtype and same_arrays(hit[1], given):
             return hit[2]
         self._prepared = None  # free the old weights first
         fn = self._prepare_fns.get((graphdef, dtype))

@@ -58,7 +58,7 @@ from pipeline.config import ModelConfig
 from tpu_jobs import hf
 from tpu_jobs.kv_pages import page_bytes
 from tpu_jobs.model import flat_params
-from tpu_jobs.sampler import SampleResult, check_sampling_args
+from tpu_jobs.sampler import SampleResult, check_sampling_args, key_data, same_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -285,12 +285,7 @@ class VllmSampler:
         """Give the server `model`'s weights: start it on them, or reload them in place and
         reset the prefix cache; nothing when it holds these arrays already."""
         leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
-        held = self._held
-        if (
-            held is not None
-            and len(held) == len(leaves)
-            and all(a is b for a, b in zip(held, leaves, strict=True))
-        ):
+        if self._held is not None and same_arrays(self._held, leaves):
             return
         self._held = None  # let the old arrays go first
         start = time.perf_counter()
@@ -358,7 +353,7 @@ class VllmSampler:
                 "allowed: prompt + new tokens <= model.max_seq_len"
             )
         self.load_weights(model)
-        seeds = [row_seed(k) for k in np.asarray(jax.random.key_data(keys))]
+        seeds = [row_seed(k) for k in key_data(keys)]
         params = {
             "model": SERVED_NAME,
             "max_tokens": max_new_tokens,
