@@ -61,14 +61,20 @@ accuracy of 0.11 and a perfect imitator's pass@8 of 0.54 on arithmetic.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
 from pipeline.errors import check
-from pipeline.tasks.base import ANSWER_MARKER, Problem, SyntheticTask, final_answer, make_problem
+from pipeline.tasks.base import (
+    ANSWER_MARKER,
+    Problem,
+    SyntheticTask,
+    final_answer,
+    integer_reward,
+    make_problem,
+)
 
 ADD_FRACTION = 0.7
 DIGIT_WEIGHTS = np.arange(1, 11, dtype=np.float64) ** 2  # digit d -> (d+1)^2
@@ -76,7 +82,6 @@ MULTIPLIERS = np.arange(2, 10)
 MULTIPLIER_WEIGHTS = MULTIPLIERS.astype(np.float64) ** 2
 PLACES = "abcdefghijklmnopqrstuvwxyz"  # place tags: a = units, b = tens, ...
 MAX_ANSWER_CHARS = 64
-_INT_LITERAL = re.compile(r"-?[0-9]{1,40}")  # ASCII only: int() would accept '１２'
 
 Column = tuple[int, int, int, int, int]  # (x, y, carry_in, carry_out, digit)
 
@@ -243,10 +248,7 @@ class ArithmeticTask(SyntheticTask):
         return final_answer(completion, MAX_ANSWER_CHARS)
 
     def verify(self, problem: Problem, completion: str) -> float:
-        text = self.extract_answer(completion)
-        if text is None or not _INT_LITERAL.fullmatch(text):
-            return 0.0
-        return 1.0 if int(text) == int(problem.answer) else 0.0
+        return integer_reward(self.extract_answer(completion), problem.answer)
 
     def max_completion_chars(self, cfg: ArithmeticOptions) -> int:
         return max_chars(cfg.max_digits)

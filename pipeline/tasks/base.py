@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,17 @@ def final_answer(completion: str, max_chars: int) -> str | None:
     if len(tail) > max_chars:  # bound the work before any stripping or parsing
         return None
     return tail.strip(" ")
+
+
+_INT_LITERAL = re.compile(r"-?[0-9]{1,40}")  # ASCII only: int() would accept '１２'
+
+
+def integer_reward(answer: str | None, expected: str) -> float:
+    """1.0 when `answer` (an extracted final answer) is an ASCII integer literal equal to
+    `expected`, else 0.0."""
+    if answer is None or not _INT_LITERAL.fullmatch(answer):
+        return 0.0
+    return 1.0 if int(answer) == int(expected) else 0.0
 
 
 class Task(ABC):

@@ -35,17 +35,22 @@ the environment appends; SFT does not train on it (`teacher_pieces`).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
 from pipeline.errors import check
-from pipeline.tasks.base import ANSWER_MARKER, Problem, SyntheticTask, final_answer, make_problem
+from pipeline.tasks.base import (
+    ANSWER_MARKER,
+    Problem,
+    SyntheticTask,
+    final_answer,
+    integer_reward,
+    make_problem,
+)
 from pipeline.tool_calls import CALL_CLOSE, CALL_OPEN, observation
 
-_INT_LITERAL = re.compile(r"[0-9]{1,40}")  # ASCII only: int() would accept '１２'
 MAX_DIGITS = 9  # products of at most 18 digits: a program's output stays one short line
 OBSERVATION_CHARS = 64  # the teacher's observation cut (the product is far shorter)
 
@@ -141,10 +146,7 @@ class LongMultiplicationTask(SyntheticTask):
         return final_answer(completion, 2 * MAX_DIGITS + 2)
 
     def verify(self, problem: Problem, completion: str) -> float:
-        text = self.extract_answer(completion)
-        if text is None or not _INT_LITERAL.fullmatch(text):
-            return 0.0
-        return 1.0 if int(text) == int(problem.answer) else 0.0
+        return integer_reward(self.extract_answer(completion), problem.answer)
 
     def max_completion_chars(self, cfg: LongMultiplicationOptions) -> int:
         d = cfg.digits
