@@ -70,18 +70,15 @@ def sandboxed(problems: list[Problem], completions: list[str], batch: int) -> li
 
 def in_process(problems: list[Problem], completions: list[str]) -> list[float]:
     # Trusted, fixed inputs only: this is what the math family must never do with model text.
-    from latex2sympy2_extended.latex2sympy2 import NormalizationConfig
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-    config = [
-        LatexExtractionConfig(normalization_config=NormalizationConfig(boxed="last")),
-        ExprExtractionConfig(),
-    ]
+    # The grader's own extraction config and gold readings, so both modes judge alike.
+    scope: dict = {}
+    exec(math_task.ANSWER_CONFIG, scope)
+    parse, verify, config = scope["parse"], scope["verify"], scope["ANSWER_CONFIG"]
     out = []
     for p, c in zip(problems, completions, strict=True):
-        gold = parse(math_task.gold_text(p.answer))
+        golds = [parse(g) for g in math_task.gold_readings(p.answer)]
         pred = parse(math_task.answer_text(c), extraction_config=config)
-        out.append(1.0 if pred and verify(gold, pred) else 0.0)
+        out.append(1.0 if pred and any(g and verify(g, pred) for g in golds) else 0.0)
     return out
 
 

@@ -15,8 +15,11 @@ read-only (`Limits.packages`) and imported and warmed before its first fork
 (`Limits.warmup`), so a run costs a fork and the parse, not an import of sympy. A batch
 is one `execute_many` call. This process only does text work: it cuts the completion
 down to its last `\\boxed{}` and wraps a bare gold in `$...$` (math-verify reads a bare
-`[2, 5)` or `\\{1,2,3\\}` as nothing), and `extract_answer` (maj@k's vote) is regex
-normalisation (`pipeline.tasks.answers`), no parser.
+`[2, 5)` as 5 and `\\{1,2,3\\}` as 3) unless it is a plain number that wrapping would
+misread (`gold_readings`), and `extract_answer` (maj@k's vote) is regex normalisation
+(`pipeline.tasks.answers`), no parser. The completion is extracted with math-verify's own
+defaults but for the last-boxed rule (`ANSWER_CONFIG`), so an answer that math-verify
+accepts (`$\\frac13$`, `$\\sqrt3$`, `$\\frac{1}{3} \\text{meters}$`) is not lost here.
 
 The grader reports on its last line, prefixed with a random nonce sent on its stdin, so
 that text the model wrote cannot pass for the verdict by printing; anything else (a crash,
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 from collections.abc import Sequence
 from typing import ClassVar
@@ -57,45 +61,75 @@ NONCE_BYTES = 16
 
 log = logging.getLogger(__name__)
 
-# Runs inside the sandbox: stdin carries {"nonce", "gold", "answer"}. Extraction takes the
-# last \boxed{} (math-verify's default, boxed="all", would read two boxed answers as the
-# set of both), then any LaTeX or plain expression.
-GRADER = f"""\
+# Bare golds that `$...$` would make math-verify misread, and how to read each instead
+# (see `gold_readings`); anything else bare is wrapped. The patterns follow math-verify's
+# plain-number grammar (its thousands groups must start with 1-9).
+_BARE_GOLDS = (
+    (re.compile(r"-?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?"), ("{}",)),
+    (re.compile(r"-?\d+,\d+"), ("{}", "${}$")),
+)
+MAX_GOLD_READINGS = max(len(readings) for _, readings in _BARE_GOLDS)
+
+# The completion's extraction, as source both sandbox programs run: math-verify's own
+# defaults (LaTeX with units, malformed operators such as `\frac13` and `\sqrt3`, and
+# nits normalised; then plain expressions) except that only the last \boxed{} counts
+# (boxed="all", the default, would read two boxed answers as the set of both). Built from
+# math-verify's default config rather than a fresh NormalizationConfig, whose own
+# defaults switch those normalisations off.
+ANSWER_CONFIG = """\
+import dataclasses
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+_latex = LatexExtractionConfig()
+ANSWER_CONFIG = [
+    dataclasses.replace(
+        _latex,
+        normalization_config=dataclasses.replace(_latex.normalization_config, boxed="last"),
+    ),
+    ExprExtractionConfig(),
+]
+"""
+
+# Runs inside the sandbox: stdin carries {"nonce", "golds", "answer"}; `golds` are the
+# readings of one gold (see `gold_readings`), and the answer counts when it equals any.
+GRADER = (
+    """\
 import json, os, sys
 request = json.loads(sys.stdin.read())
 nonce = request.pop("nonce")
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-from latex2sympy2_extended.latex2sympy2 import NormalizationConfig
-LAST_BOXED = [
-    LatexExtractionConfig(normalization_config=NormalizationConfig(boxed="last")),
-    ExprExtractionConfig(),
-]
-gold = parse(request["gold"], parsing_timeout={PARSE_TIMEOUT_S})
-if not gold:
+"""
+    + ANSWER_CONFIG
+    + f"""\
+golds = [parse(g, parsing_timeout={PARSE_TIMEOUT_S}) for g in request["golds"]]
+golds = [g for g in golds if g]
+if not golds:
     os.write(1, ("\\n" + nonce + " nogold\\n").encode())
     raise SystemExit(0)
-pred = parse(request["answer"], extraction_config=LAST_BOXED, parsing_timeout={PARSE_TIMEOUT_S})
-same = bool(pred) and verify(gold, pred, timeout_seconds={VERIFY_TIMEOUT_S})
+pred = parse(request["answer"], extraction_config=ANSWER_CONFIG, parsing_timeout={PARSE_TIMEOUT_S})
+same = bool(pred) and any(verify(g, pred, timeout_seconds={VERIFY_TIMEOUT_S}) for g in golds)
 os.write(1, ("\\n" + nonce + (" 1" if same else " 0") + "\\n").encode())
 """
+)
 
 # Run once in each worker before it forks runs: the first parse and verify of each kind
 # compile regexes and build the ANTLR parser (hundreds of ms); afterwards every run
 # inherits them warm.
-WARMUP = """\
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-from latex2sympy2_extended.latex2sympy2 import NormalizationConfig
-_c = [LatexExtractionConfig(normalization_config=NormalizationConfig(boxed="last")),
-      ExprExtractionConfig()]
+WARMUP = (
+    ANSWER_CONFIG
+    + """\
 for _g, _p in [("$\\\\frac{14}{3}$", "\\\\boxed{14/3}"), ("$[2, 5)$", "\\\\boxed{[2,5)}"),
                ("$28\\\\%$", "so 0.28"), ("$\\\\{1,2\\\\}$", "\\\\boxed{\\\\{2, 1\\\\}}"),
-               ("$(3, \\\\frac{\\\\pi}{2})$", "\\\\boxed{(3, \\\\pi/2)}"), ("$x^2+1$", "1+x**2")]:
-    verify(parse(_g), parse(_p, extraction_config=_c))
+               ("$(3, \\\\frac{\\\\pi}{2})$", "\\\\boxed{(3, \\\\pi/2)}"), ("$x^2+1$", "1+x**2"),
+               ("1,5", "$\\\\frac32 \\\\text{ m}$")]:
+    verify(parse(_g), parse(_p, extraction_config=ANSWER_CONFIG))
 """
+)
 
 LIMITS = Limits(
-    # Two math-verify timeouts and the parse of the gold fit well inside.
-    timeout_s=float(2 * PARSE_TIMEOUT_S + VERIFY_TIMEOUT_S),
+    # math-verify's own timeouts for every parse (each reading of the gold, the answer) and
+    # every comparison fit inside.
+    timeout_s=float(
+        (MAX_GOLD_READINGS + 1) * PARSE_TIMEOUT_S + MAX_GOLD_READINGS * VERIFY_TIMEOUT_S
+    ),
     memory_mb=1024,  # sympy's import alone is ~150 MB of address space
     output_bytes=64 * 1024,
     packages=PACKAGES,
@@ -112,18 +146,32 @@ def answer_text(completion: str) -> str:
     return completion[-TAIL_CHARS:]
 
 
-def gold_text(answer: str) -> str:
-    """The gold as math-verify should read it: math-verify extracts LaTeX only between
-    `$...$` or from `\\boxed{}`, so a bare gold (`[2, 5)`, `\\{1,2,3\\}`) is wrapped."""
+def gold_readings(answer: str) -> tuple[str, ...]:
+    """The texts math-verify should read the gold as; an answer equal to any of them counts.
+
+    math-verify extracts LaTeX only between `$...$` or from `\\boxed{}`, and reads a bare
+    text with its plain-number grammar, which turns `[2, 5)` into 5. So a bare gold is
+    wrapped in `$...$`, except where that wrapping loses what math-verify itself reads:
+    a number grouped by spaces (`1 000`, which LaTeX reads as 1*000 = 0) stays bare, and a
+    decimal comma (`1,22`) is read both ways, bare as math-verify reads it (1.22) and
+    wrapped as the list MATH writes its roots in (`-2,1`: -2 and 1).
+    """
     text = answer.strip()
     if "$" in text or "\\boxed" in text:
-        return text
-    return f"${text}$"
+        return (text,)
+    for pattern, readings in _BARE_GOLDS:
+        if pattern.fullmatch(text):
+            return tuple(reading.format(text) for reading in readings)
+    return (f"${text}$",)
 
 
 def grader_job(problem: Problem, completion: str, nonce: str) -> Job:
     """The sandboxed run that judges one pair."""
-    request = {"nonce": nonce, "gold": gold_text(problem.answer), "answer": answer_text(completion)}
+    request = {
+        "nonce": nonce,
+        "golds": list(gold_readings(problem.answer)),
+        "answer": answer_text(completion),
+    }
     return Job(GRADER, stdin=json.dumps(request), limits=LIMITS)
 
 

@@ -67,6 +67,53 @@ def test_each_answer_form_equal_and_wrong():
     assert not mismatched, mismatched
 
 
+# Answers as models write them, without the tidy `\boxed{}` of FORMS: (gold, completion,
+# verdict). Each verdict is worked by hand from what the answer says and from math-verify's
+# documented reading (malformed `\frac27` is 2/7, a trailing unit word is dropped, inline
+# `$...$` and `\(...\)` hold one line, display `$$...$$` and `\[...\]` many).
+WRITTEN = [
+    ("2/7", "so $\\frac27 $", 1.0),  # malformed fraction, no box
+    ("7/2", "so $\\frac27 $", 0.0),  # ... read as 2/7, not 7/2
+    ("1/2", "it is $\\frac4{8} $", 1.0),
+    ("$\\sqrt{5}$", "the side is $\\sqrt5 $", 1.0),  # malformed root
+    ("$\\sqrt{6}$", "the side is $\\sqrt5 $", 0.0),
+    ("$2\\sqrt{2}$", "\\boxed{2\\sqrt2}", 1.0),
+    ("$\\frac{3}{4}$", "\\boxed{\\tfrac34}", 1.0),
+    ("5/2", "The rod is $\\frac{5}{2} \\text{centimeters}$", 1.0),  # a unit after the value
+    ("2/5", "The rod is $\\frac{5}{2} \\text{centimeters}$", 0.0),
+    ("12", "\\boxed{12 \\text{ meters}}", 1.0),
+    ("13", "\\boxed{12 \\text{ meters}}", 0.0),
+    ("x^3", "we get $$\nx^3\n$$", 1.0),  # display math may span lines
+    ("x^3", "we get \\[\nx^3\n\\]", 1.0),
+    ("x^3", "we get $\nx^3\n$", 0.0),  # inline math may not: nothing is read
+    ("x^3", "we get \\(\nx^3\n\\)", 0.0),
+    ("3.75", "The price is 3,75", 1.0),  # decimal comma in the answer
+    ("3,75", "\\boxed{3.75}", 1.0),  # ... and in the gold
+    ("3,75", "\\boxed{375}", 0.0),
+    ("-3,4", "the roots are \\boxed{4, -3}", 1.0),  # MATH's list of roots
+    ("-3,4", "\\boxed{-3}", 0.0),
+    ("4 096", "\\boxed{4096}", 1.0),  # thousands grouped by a space
+    ("4 096", "\\boxed{0}", 0.0),  # LaTeX would read `4 096` as 4*096 = 0
+]
+
+
+def test_answers_as_models_write_them():
+    problems = [_problem(gold) for gold, _, _ in WRITTEN]
+    got = MATH.verify_batch(problems, [c for _, c, _ in WRITTEN])
+    mismatched = [(g, c, r) for (g, c, w), r in zip(WRITTEN, got, strict=True) if r != w]
+    assert not mismatched, mismatched
+
+
+def test_gold_readings():
+    assert math_task.gold_readings(" [2, 5) ") == ("$[2, 5)$",)
+    assert math_task.gold_readings("$\\frac{1}{2}$") == ("$\\frac{1}{2}$",)
+    assert math_task.gold_readings("\\boxed{204}") == ("\\boxed{204}",)
+    assert math_task.gold_readings("7,425,000") == ("$7,425,000$",)
+    assert math_task.gold_readings("1 000.5") == ("1 000.5",)
+    assert math_task.gold_readings("-1,22") == ("-1,22", "$-1,22$")
+    assert math_task.gold_readings("1, 22") == ("$1, 22$",)  # a space after it: a list
+
+
 def test_the_last_boxed_answer_counts_and_only_that():
     gold = _problem("72")
     completions = [
