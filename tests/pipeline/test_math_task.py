@@ -93,7 +93,7 @@ WRITTEN = [
     ("-3,4", "the roots are \\boxed{4, -3}", 1.0),  # MATH's list of roots
     ("-3,4", "\\boxed{-3}", 0.0),
     ("4 096", "\\boxed{4096}", 1.0),  # thousands grouped by a space
-    ("4 096", "\\boxed{0}", 0.0),  # LaTeX would read `4 096` as 4*096 = 0
+    ("4 096", "\\boxed{100}", 0.0),  # what `$4 096$` reads as in LaTeX (latex2sympy)
 ]
 
 
