@@ -84,7 +84,7 @@ class ConnectionGuard:
         self.counters = {
             "closed_head_timeout": 0,
             "closed_for_newer": 0,
-            "refused_full": 0,
+            "refused_connection": 0,
             "refused_body_timeout": 0,
             "refused_too_large": 0,
             "refused_token": 0,
@@ -96,7 +96,7 @@ class ConnectionGuard:
             if self.waiting:
                 self._close(next(iter(self.waiting)), "closed_for_newer")
             else:
-                self._close(conn, "refused_full")
+                self._close(conn, "refused_connection")
                 return
         self.await_head(conn)
 

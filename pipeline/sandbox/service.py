@@ -88,22 +88,22 @@ def max_limits(given: Mapping[str, float] | None = None) -> dict[str, float]:
     higher than this process's hard rlimit (a default above it is lowered to it)."""
     maxima = dict(MAX_LIMITS)
     default = Limits()
-    for field, value in (given or {}).items():
-        check(field in MAX_LIMITS, "--max-limit", field, f"one of {', '.join(MAX_LIMITS)}")
-        floor = getattr(default, field) or 0
-        check(value >= floor and value > 0, f"--max-limit {field}", value, f">= {floor}, > 0")
-        maxima[field] = value
-    for field, name in HOST_RLIMITS.items():
-        hard = resource.getrlimit(getattr(resource, name))[1]
-        if hard == resource.RLIM_INFINITY or maxima[field] <= hard:
+    for name, value in (given or {}).items():
+        check(name in MAX_LIMITS, "--max-limit", name, f"one of {', '.join(MAX_LIMITS)}")
+        floor = getattr(default, name) or 0
+        check(value >= floor and value > 0, f"--max-limit {name}", value, f">= {floor}, > 0")
+        maxima[name] = value
+    for name, rlimit in HOST_RLIMITS.items():
+        hard = resource.getrlimit(getattr(resource, rlimit))[1]
+        if hard == resource.RLIM_INFINITY or maxima[name] <= hard:
             continue
         check(
-            field not in (given or {}),
-            f"--max-limit {field}",
-            maxima[field],
-            f"<= {hard}, this host's hard {name} (a run cannot raise it)",
+            name not in (given or {}),
+            f"--max-limit {name}",
+            maxima[name],
+            f"<= {hard}, this host's hard {rlimit} (a run cannot raise it)",
         )
-        maxima[field] = hard
+        maxima[name] = hard
     return maxima
 
 
