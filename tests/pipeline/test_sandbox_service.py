@@ -557,6 +557,7 @@ def test_serve_with_a_port_out_of_range_is_one_line_and_exit_2():
 @pytest.mark.parametrize(
     ("args", "words"),
     [
+        (["--port", "99999"], "argument --port: '99999' is not a port; allowed: an integer"),
         (["--port", "-1"], "argument --port: '-1' is not a port"),
         (["--max-limit", "bogus=1"], "--max-limit='bogus' is invalid; allowed: one of timeout_s"),
         (["--max-limit", "processes"], "allowed: FIELD=NUMBER"),
