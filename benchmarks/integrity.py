@@ -142,6 +142,46 @@ FAULTS = [
         "tests/dags/test_compose.py::test_compose_ships_no_default_secrets",
     ),
     Fault(
+        "sandbox service: a POST declaring 10 GB without the token, with a wrong one and "
+        "with the right one; Content-Length '1e10' and '-5'; a 1 MB head; a chunked body "
+        "past the limit",
+        "401/403 on the head alone, the body never read; 413 naming the limit; 400; each "
+        "answered and closed in under 1 s; /health and a real run served after",
+        "nothing",
+        C
+        + "test_sandbox_service.py::test_the_token_and_the_size_are_checked_before_a_byte_of_body_is_read",
+    ),
+    Fault(
+        "sandbox service: a head sent one byte at a time (slowloris); a body that stops",
+        "closed at the head deadline; 408 at the body deadline; others served meanwhile",
+        "nothing",
+        C
+        + "test_sandbox_service.py::test_slow_heads_and_slow_bodies_are_cut_off_while_others_are_served",
+    ),
+    Fault(
+        "sandbox service: the connection cap + 4 half-open connections; then every connection busy",
+        "the oldest half-open ones closed to make room, honest requests served during the "
+        "flood, all closed at the head deadline; a newcomer to a busy server closed at once",
+        "nothing",
+        C
+        + "test_sandbox_service.py::test_half_open_connections_are_capped_and_cannot_lock_out_honest_clients",
+    ),
+    Fault(
+        "sandbox service: limits no run can have (processes=100000, open_files=10^7, "
+        "run_timeout=3600, memory 1 TiB)",
+        "400 naming the field, the value and the service's maximum (--max-limit); a run at "
+        "the maximum gets exactly that rlimit",
+        "nothing (they used to fail every run with rc 127: a silent reward of 0)",
+        C
+        + "test_sandbox_service.py::test_limits_above_the_services_maxima_are_refused_naming_field_value_and_maximum",
+    ),
+    Fault(
+        "`rlax sandbox serve --port 99999`, bad --max-limit, --max-body-kb 0, ...",
+        "one line naming the argument and what is allowed, exit 2",
+        "nothing started",
+        C + "test_sandbox_service.py::test_bad_serve_arguments_are_one_line_and_exit_2",
+    ),
+    Fault(
         "random SIGKILLs of the trainer and workers (chaos)",
         "the schedule kills the trainer after its first checkpoint and a worker mid-batch; "
         "a run without both and a restore is reported inconclusive",

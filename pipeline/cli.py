@@ -17,6 +17,8 @@
     rlax stack  up|status|down|restart NAME|preempt NAME  the production shape on 127.0.0.1
     rlax sandbox serve --host 127.0.0.1 --port N [--token-env NAME] [--concurrency N]
                        [--queue N] [--ro-path DIR ...]      the sandbox as an HTTP service
+                       [--max-limit FIELD=N ...] [--max-body-kb N] [--max-connections N]
+                       [--header-timeout S] [--body-timeout S] [--idle-timeout S]
 
 Overrides are dotted config paths, e.g. `trainer.lr=3e-4 task.families=arithmetic` or
 `mesh.trainer=[1,-1,1]` (device meshes, docs/scaling.md).
@@ -128,7 +130,17 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_sandbox_serve(args: argparse.Namespace) -> int:
+    from pipeline.sandbox.http_guard import HttpLimits
     from pipeline.sandbox.service import MAX_WORKER_KINDS, serve
+
+    # Checked before anything starts: a bad value is one line (exit 2), not a traceback.
+    http = HttpLimits(
+        max_body_bytes=args.max_body_kb * 1024,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        idle_timeout_s=args.idle_timeout,
+        max_connections=args.max_connections,
+    )
 
     # The token is read from the environment, never the command line (which `ps` shows).
     token = os.environ.get(args.token_env) or None
@@ -148,6 +160,8 @@ def cmd_sandbox_serve(args: argparse.Namespace) -> int:
             queue=args.queue,
             ro_paths=tuple(args.ro_path),
             max_worker_kinds=args.max_worker_kinds or MAX_WORKER_KINDS,
+            limit_maxima=dict(args.max_limit),
+            http=http,
             log=lambda m: print(m, flush=True),
         )
     return 0
@@ -184,6 +198,26 @@ def _job(role: str):
         return launcher.run_job(role, args.run, args.job_args)
 
     return run
+
+
+def _port(text: str) -> int:
+    """argparse type of a TCP port to listen on."""
+    if not (text.isdigit() and 0 <= int(text) <= 65535):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a port; allowed: an integer 0-65535 (0: a free one)"
+        )
+    return int(text)
+
+
+def _field_value(text: str) -> tuple[str, float]:
+    """argparse type of FIELD=NUMBER (the field is checked by its user)."""
+    field, _, value = text.partition("=")
+    try:
+        return field, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is invalid; allowed: FIELD=NUMBER, such as processes=64"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     sandbox = p.add_subparsers(dest="sandbox_command", required=True)
     p = sandbox.add_parser("serve", help="serve POST /run_code and GET /health until Ctrl-C")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
-    p.add_argument("--port", type=int, default=8080, help="port (0: a free one)")
+    p.add_argument("--port", type=_port, default=8080, help="port (0: a free one)")
     p.add_argument(
         "--token-env",
         default="RLAX_SANDBOX_TOKEN",
@@ -270,6 +304,47 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="distinct rlax_limits worker kinds (packages, warmup, mounts) kept at once "
         "(default 8)",
+    )
+    from pipeline.sandbox.http_guard import HttpLimits
+
+    http = HttpLimits()
+    p.add_argument(
+        "--max-limit",
+        type=_field_value,
+        action="append",
+        default=[],
+        metavar="FIELD=N",
+        help="the most a request may ask for of a Limits field (defaults: docs/sandbox.md)",
+    )
+    p.add_argument(
+        "--max-body-kb",
+        type=int,
+        default=http.max_body_bytes // 1024,
+        help="the largest request body, KiB; 413 beyond (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=http.max_connections,
+        help="connections open at once (default %(default)s)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=http.header_timeout_s,
+        help="seconds a connection has to send a whole request head (default %(default)s)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=http.body_timeout_s,
+        help="seconds a request has to send its whole body; 408 past it (default %(default)s)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=http.idle_timeout_s,
+        help="seconds an idle keep-alive connection is kept (default %(default)s)",
     )
     p.set_defaults(func=cmd_sandbox_serve)
 

@@ -84,11 +84,15 @@ def request_body(code: str, stdin: str, limits: Limits) -> dict[str, Any]:
 
 
 def limits_from_request(
-    named: Mapping[str, Any], extra: Mapping[str, Any] | None, allowed_ro_paths: tuple[str, ...]
+    named: Mapping[str, Any],
+    extra: Mapping[str, Any] | None,
+    allowed_ro_paths: tuple[str, ...],
+    maxima: Mapping[str, float],
 ) -> Limits:
     """The `Limits` of a request: `named` holds its SandboxFusion fields (None: the
     default), `extra` its `rlax_limits`. Raises ConfigError naming the request field,
-    with `Limits`' own check of the value; `extra_ro_paths` must be among the paths the
+    with `Limits`' own check of the value, or its value and the service's maximum when
+    above `maxima` (by `Limits` field); `extra_ro_paths` must be among the paths the
     service was started with, since a client must not choose which host files a
     sandbox sees."""
     values: dict[str, Any] = {}
@@ -120,6 +124,11 @@ def limits_from_request(
             raise ConfigError(f"{wire}: {err}") from None
         except TypeError:
             raise ConfigError(f"{wire}={value!r} is invalid; allowed: a number") from None
+        if field in maxima and value > maxima[field]:
+            raise ConfigError(
+                f"{wire}={value!r} is above this service's maximum; allowed: at most "
+                f"{maxima[field]:g} (a service started with a larger --max-limit {field}=N)"
+            )
     return Limits(**{field: value for field, value in values.values()})
 
 

@@ -11,33 +11,44 @@ of a local `execute` (docs/security.md). At most `concurrency` runs are in fligh
 `queue` more wait; a request beyond that is answered 429 with Retry-After at once, so a
 full replica sheds load (the client retries it, on another replica behind a load
 balancer) instead of holding connections open without bound. With a token, every
-`/run_code` request must carry `Authorization: Bearer <token>` (401 otherwise).
-Stateless: replicas need nothing from each other (docs/sandbox.md).
+request but `/health` must carry `Authorization: Bearer <token>` (401 otherwise), checked
+before a byte of its body is read. Body size, head and body deadlines and the number of
+connections are bounded (`pipeline.sandbox.http_guard`), and so is every limit a client
+may ask for (`MAX_LIMITS`, `--max-limit`): a request beyond is 400, naming the field, its
+value and the maximum. Stateless: replicas need nothing from each other (docs/sandbox.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
+import resource
 import signal
 import socket
 import threading
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, create_model
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, check
 from pipeline.sandbox import api
-from pipeline.sandbox.limits import Limits
+from pipeline.sandbox.http_guard import (
+    MAX_HEADER_BYTES,
+    ASGIApp,
+    ConnectionGuard,
+    HttpLimits,
+    RequestGuard,
+    guarded_protocol,
+)
+from pipeline.sandbox.limits import MIB, Limits
 from pipeline.sandbox.pool import close_all, pool_for
 from pipeline.sandbox.result import ExecResult, SandboxError
 
@@ -50,6 +61,50 @@ SHUTDOWN_GRACE_S = 5
 # once: each is a pool of `concurrency` workers, so without a bound a client sending a new
 # warm-up per request would start processes without end.
 MAX_WORKER_KINDS = 8
+# The most a request may ask for of each numeric `Limits` field (`--max-limit FIELD=N`
+# changes one). A run past what the host allows would fail every time without a word
+# (RLIMIT_NPROC or RLIMIT_NOFILE above the service's own hard limit: the worker cannot set
+# it), and a long or large run holds a slot and memory other clients need.
+MAX_LIMITS: dict[str, float] = {
+    "timeout_s": 60.0,
+    "cpu_s": 60.0,
+    "memory_mb": 4096,
+    "processes": 256,
+    "file_size_mb": 256,
+    "tmpfs_mb": 1024,
+    "output_bytes": 16 * MIB,
+    "open_files": 4096,
+}
+# Fields the kernel bounds by the service's own hard rlimit, which a sandbox cannot raise.
+HOST_RLIMITS = {"processes": "RLIMIT_NPROC", "open_files": "RLIMIT_NOFILE"}
+TOKEN_HELP = (
+    "the token it was started with (RLAX_SANDBOX_TOKEN, or the variable named by sandbox.token_env)"
+)
+
+
+def max_limits(given: Mapping[str, float] | None = None) -> dict[str, float]:
+    """`MAX_LIMITS` with `given` on top, each checked: a `MAX_LIMITS` field, no lower than
+    `Limits`' default (or default requests would be refused) and, for `HOST_RLIMITS`, no
+    higher than this process's hard rlimit (a default above it is lowered to it)."""
+    maxima = dict(MAX_LIMITS)
+    default = Limits()
+    for name, value in (given or {}).items():
+        check(name in MAX_LIMITS, "--max-limit", name, f"one of {', '.join(MAX_LIMITS)}")
+        floor = getattr(default, name) or 0
+        check(value >= floor and value > 0, f"--max-limit {name}", value, f">= {floor}, > 0")
+        maxima[name] = value
+    for name, rlimit in HOST_RLIMITS.items():
+        hard = resource.getrlimit(getattr(resource, rlimit))[1]
+        if hard == resource.RLIM_INFINITY or maxima[name] <= hard:
+            continue
+        check(
+            name not in (given or {}),
+            f"--max-limit {name}",
+            maxima[name],
+            f"<= {hard}, this host's hard {rlimit} (a run cannot raise it)",
+        )
+        maxima[name] = hard
+    return maxima
 
 
 def _wire_type(tp: Any) -> Any:
@@ -111,8 +166,12 @@ class SandboxService:
         queue: int | None = None,
         ro_paths: tuple[str, ...] = (),
         max_worker_kinds: int = MAX_WORKER_KINDS,
+        limit_maxima: Mapping[str, float] | None = None,
+        http: HttpLimits | None = None,
     ) -> None:
         self.token = token or None
+        self.maxima = max_limits(limit_maxima)
+        self.guard = ConnectionGuard(http or HttpLimits())
         self.concurrency = concurrency or os.cpu_count() or 1
         self.queue = self.concurrency if queue is None else queue
         if self.concurrency < 1 or self.queue < 0 or max_worker_kinds < 1:
@@ -191,6 +250,7 @@ class SandboxService:
             "refused_full": c.refused_full,
             "worker_kinds": len(self._kinds),
             "by_status": dict(c.by_status),
+            **self.guard.health(),
             "pid": os.getpid(),
         }
 
@@ -226,38 +286,16 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return JSONResponse({"detail": message}, status_code=status, headers=headers)
 
 
-def create_app(service: SandboxService) -> FastAPI:
-    """The ASGI application serving `service`."""
+def create_app(service: SandboxService) -> ASGIApp:
+    """The ASGI application serving `service`, behind its `RequestGuard` (the token and
+    the body are checked there, before FastAPI reads anything)."""
     app = FastAPI(title="rlax sandbox", description=__doc__, docs_url=None, redoc_url=None)
-    expected = f"Bearer {service.token}".encode() if service.token else None
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(400, _describe(list(exc.errors())))
 
-    def authorize(request: Request) -> None:
-        # Resolved before the body is parsed: a caller without the token learns nothing
-        # about the request format. Constant-time, so the compare leaks no prefix length.
-        if expected is None:
-            return
-        given = request.headers.get("authorization")
-        if not given:
-            raise HTTPException(
-                401,
-                "this service needs a token: send 'Authorization: Bearer <token>' with the "
-                "token it was started with (RLAX_SANDBOX_TOKEN, or the variable named by "
-                "sandbox.token_env)",
-                {"WWW-Authenticate": "Bearer"},
-            )
-        if not hmac.compare_digest(given.encode(), expected):
-            raise HTTPException(
-                403,
-                "the token is not the one this service was started with; allowed: "
-                "'Authorization: Bearer <token>' with its token (RLAX_SANDBOX_TOKEN, or the "
-                "variable named by sandbox.token_env)",
-            )
-
-    @app.post(api.RUN_PATH, dependencies=[Depends(authorize)])
+    @app.post(api.RUN_PATH)
     async def run_code(body: RunCodeRequest) -> JSONResponse:
         if body.language not in api.LANGUAGES:
             return _error(400, f"language={body.language!r} is not supported; allowed: 'python'")
@@ -266,7 +304,7 @@ def create_app(service: SandboxService) -> FastAPI:
         named = {wire: getattr(body, wire) for wire in api.NAMED_LIMITS}
         extra = body.rlax_limits.model_dump(exclude_none=True) if body.rlax_limits else None
         try:
-            limits = api.limits_from_request(named, extra, service.ro_paths)
+            limits = api.limits_from_request(named, extra, service.ro_paths, service.maxima)
             service.check_kind(limits)
         except ConfigError as err:
             return _error(400, str(err))
@@ -288,7 +326,13 @@ def create_app(service: SandboxService) -> FastAPI:
     async def health() -> dict[str, Any]:
         return service.health()
 
-    return app
+    return RequestGuard(
+        app,
+        service.guard,
+        token=service.token,
+        token_help=TOKEN_HELP,
+        open_paths=(api.HEALTH_PATH,),
+    )
 
 
 def serve(
@@ -300,6 +344,8 @@ def serve(
     queue: int | None = None,
     ro_paths: tuple[str, ...] = (),
     max_worker_kinds: int = MAX_WORKER_KINDS,
+    limit_maxima: Mapping[str, float] | None = None,
+    http: HttpLimits | None = None,
     log: Callable[[str], None] = print,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then kill every sandbox worker. Prints the URL once
@@ -312,6 +358,8 @@ def serve(
         queue=queue,
         ro_paths=ro_paths,
         max_worker_kinds=max_worker_kinds,
+        limit_maxima=limit_maxima,
+        http=http,
     )
     # uvicorn ends by re-raising the SIGTERM it caught, and SIGTERM's default action would
     # end the process before the `finally` below kills the workers: as an exception, the
@@ -331,6 +379,10 @@ def serve(
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            # h11 (not httptools): its head-size bound, and the protocol the guard extends.
+            http=guarded_protocol(service.guard),
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            timeout_keep_alive=service.guard.limits.idle_timeout_s,  # type: ignore[arg-type]
         )
         log(
             f"rlax sandbox: serving {url} ({service.concurrency} runs at once, "

@@ -11,8 +11,10 @@ as a failed program; a stopped service leaves no sandbox process behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import resource
 import selectors
 import signal
 import socket
@@ -336,3 +338,248 @@ def test_math_and_code_families_judge_the_same_through_the_service(tmp_path, mon
         sandbox.configure(None)
         service.stop()
     assert remote == local
+
+
+# --- The hardened front (pipeline/sandbox/http_guard.py): what a client without a token,
+# or with one, cannot make the service hold. Short timeouts, so each attack ends in about
+# a second; every connection is closed by the test.
+
+HEAD_S, BODY_S, MAX_CONNECTIONS, MAX_BODY_KB, MAX_PROCESSES = 1.0, 1.0, 8, 64, 64
+
+
+@pytest.fixture(scope="module")
+def hardened(tmp_path_factory):
+    svc = Service(
+        tmp_path_factory.mktemp("sandbox-hardened"),
+        "--concurrency",
+        "1",
+        "--queue",
+        "1",
+        "--max-body-kb",
+        str(MAX_BODY_KB),
+        "--header-timeout",
+        str(HEAD_S),
+        "--body-timeout",
+        str(BODY_S),
+        "--idle-timeout",
+        "1",
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+        "--max-limit",
+        f"processes={MAX_PROCESSES}",
+    )
+    yield svc
+    svc.stop()
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=10)
+    return conn
+
+
+def _head(path: str = "/run_code", token: str | None = None, **headers: str) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: sandbox", "Content-Type: application/json"]
+    if token:
+        lines.append(f"Authorization: Bearer {token}")
+    lines += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _read_reply(conn: socket.socket, timeout_s: float = 5.0) -> tuple[int, str, float]:
+    """(status, body, seconds until the server closed): the whole reply, read to EOF."""
+    started = time.monotonic()
+    conn.settimeout(timeout_s)
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split()[1]) if head else 0
+    return status, body.decode(), time.monotonic() - started
+
+
+def _answers_honestly(svc: Service) -> None:
+    """/health answers, and a real run through the client comes back right."""
+    assert svc.health()["status"] == "ok"
+    with contextlib.closing(RemoteSandbox(svc.url, TOKEN)) as remote:
+        assert remote.execute("print(input() * 2)", stdin="ab\n").stdout == "abab\n"
+
+
+def test_the_token_and_the_size_are_checked_before_a_byte_of_body_is_read(hardened):
+    # 10 GB declared and nothing sent: the refusal comes at once, the body never read.
+    huge = 10_000_000_000
+    cases = [
+        (_head(Content_Length=str(huge)), 401, "Authorization: Bearer <token>"),
+        (_head(token="nope", Content_Length=str(huge)), 403, "not the one"),
+        (_head(token=TOKEN, Content_Length=str(huge)), 413, f"at most {MAX_BODY_KB * 1024}"),
+        # Not a length h11 accepts: uvicorn's own 400, at once.
+        (_head(token=TOKEN, Content_Length="1e10"), 400, "Invalid HTTP request"),
+        (_head(token=TOKEN, Content_Length="-5"), 400, "Invalid HTTP request"),
+    ]
+    for head, status, words in cases:
+        with contextlib.closing(_connect(hardened.url)) as conn:
+            conn.sendall(head + b'{"co')  # a little of the body, no more
+            got, body, elapsed = _read_reply(conn)
+        assert (got, words in body) == (status, True), (head[:80], got, body)
+        assert elapsed < HEAD_S, elapsed  # answered and closed well before any deadline
+    # A head that does not end within 16 KiB (plus the read that passes it) is refused, not
+    # buffered: a 400, or a reset when the server closes while the head is still coming.
+    with contextlib.closing(_connect(hardened.url)) as conn:
+        try:
+            conn.sendall(_head(token=TOKEN, X_Padding="x" * 1_000_000))
+            status = _read_reply(conn)[0]
+        except ConnectionResetError:
+            status = "reset"
+    assert status in (400, "reset"), status
+    # A chunked body has no length to check up front: refused once past the limit.
+    with contextlib.closing(_connect(hardened.url)) as conn:
+        conn.sendall(_head(token=TOKEN, Transfer_Encoding="chunked"))
+        chunk = b"x" * 4096
+        with contextlib.suppress(OSError):  # the server may close while we still send
+            for _ in range(MAX_BODY_KB // 4 + 2):
+                conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        status, body, _ = _read_reply(conn)
+    assert status == 413 and "chunked" in body, body
+    health = hardened.health()
+    assert health["refused_token"] >= 2 and health["refused_too_large"] >= 2, health
+    _answers_honestly(hardened)
+
+
+def test_slow_heads_and_slow_bodies_are_cut_off_while_others_are_served(hardened):
+    before = hardened.health()
+    with (
+        contextlib.closing(_connect(hardened.url)) as slow_head,
+        contextlib.closing(_connect(hardened.url)) as slow_body,
+    ):
+        # Slowloris: one byte of the head every 0.2 s never completes it.
+        head = _head(token=TOKEN, Content_Length="100")
+        started = time.monotonic()
+        slow_body.sendall(head + b'{"code": ')  # a whole head, 9 of 100 body bytes
+        _answers_honestly(hardened)  # during both attacks
+        closed_at = None
+        for byte in head[:40]:
+            try:
+                slow_head.sendall(bytes([byte]))
+            except OSError:  # reset: the server closed it
+                closed_at = time.monotonic() - started
+                break
+            slow_head.settimeout(0.2)
+            try:
+                if slow_head.recv(1) == b"":
+                    closed_at = time.monotonic() - started
+                    break
+            except TimeoutError:
+                pass
+        assert closed_at is not None and closed_at < HEAD_S + 2, closed_at
+        status, body, _ = _read_reply(slow_body)
+    assert status == 408 and "--body-timeout" in body, body
+    after = hardened.health()
+    assert after["closed_head_timeout"] > before["closed_head_timeout"]
+    assert after["refused_body_timeout"] == before["refused_body_timeout"] + 1
+    _answers_honestly(hardened)
+
+
+def test_half_open_connections_are_capped_and_cannot_lock_out_honest_clients(hardened):
+    # The cap and a few more connections that never send a byte: the oldest make room
+    # for newer ones, honest requests are served during the flood, and all are gone
+    # after the head deadline.
+    idle = [_connect(hardened.url) for _ in range(MAX_CONNECTIONS + 4)]
+    try:
+        _answers_honestly(hardened)
+        assert hardened.health()["connections"] <= MAX_CONNECTIONS
+        deadline = time.monotonic() + HEAD_S + 3
+        for conn in idle:
+            conn.settimeout(max(deadline - time.monotonic(), 0.01))
+            assert conn.recv(1) == b"", "a silent connection outlived the head deadline"
+    finally:
+        for conn in idle:
+            conn.close()
+    # Every connection busy with a request (a body that is slow to come): a newcomer is
+    # refused at once, and served again once the bodies' deadline has passed.
+    busy = [_connect(hardened.url) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for conn in busy:
+            conn.sendall(_head(token=TOKEN, Content_Length="100") + b"{")
+        time.sleep(0.2)  # the heads are parsed
+        with pytest.raises(httpx.TransportError):  # closed at once, not left waiting
+            httpx.get(hardened.url + "/health", timeout=5)
+        for conn in busy:
+            assert _read_reply(conn)[0] == 408
+    finally:
+        for conn in busy:
+            conn.close()
+    health = hardened.health()
+    assert health["refused_connection"] >= 1 and health["closed_for_newer"] >= 4, health
+    _answers_honestly(hardened)
+
+
+def test_limits_above_the_services_maxima_are_refused_naming_field_value_and_maximum(hardened):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    hard_nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    max_files = min(4096, hard_nofile) if hard_nofile != resource.RLIM_INFINITY else 4096
+    cases = [
+        ({"rlax_limits": {"processes": 100000}}, "rlax_limits.processes=100000", MAX_PROCESSES),
+        ({"rlax_limits": {"open_files": 10**7}}, "rlax_limits.open_files=10000000", max_files),
+        ({"run_timeout": 3600}, "run_timeout=3600", 60),
+        ({"memory_limit_MB": 1 << 20}, f"memory_limit_MB={1 << 20}", 4096),
+    ]
+    for extra, words, maximum in cases:
+        reply = httpx.post(
+            hardened.url + "/run_code", json={"code": "1", **extra}, headers=auth, timeout=10
+        )
+        detail = reply.json()["detail"]
+        assert reply.status_code == 400 and words in detail, (extra, reply.text)
+        assert f"at most {maximum}" in detail and "--max-limit" in detail, detail
+    # At the maximum it runs, and the run really has that limit.
+    with contextlib.closing(RemoteSandbox(hardened.url, TOKEN)) as remote:
+        result = remote.execute(
+            "import resource; print(resource.getrlimit(resource.RLIMIT_NPROC))",
+            limits=Limits(processes=MAX_PROCESSES),
+        )
+    assert result.stdout == f"({MAX_PROCESSES}, {MAX_PROCESSES})\n", result
+    _answers_honestly(hardened)
+
+
+def test_serve_with_a_port_out_of_range_is_one_line_and_exit_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "sandbox", "serve", "--port", "99999"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "argument --port: '99999' is not a port; allowed: an integer 0-65535" in last
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--port", "99999"], "argument --port: '99999' is not a port; allowed: an integer"),
+        (["--port", "-1"], "argument --port: '-1' is not a port"),
+        (["--max-limit", "bogus=1"], "--max-limit='bogus' is invalid; allowed: one of timeout_s"),
+        (["--max-limit", "processes"], "allowed: FIELD=NUMBER"),
+        (["--max-limit", "processes=1"], "--max-limit processes=1.0 is invalid; allowed: >= 32"),
+        (["--max-limit", f"open_files={10**9}"], "hard RLIMIT_NOFILE"),
+        (["--max-body-kb", "0"], "--max-body-kb=0 is invalid; allowed: >= 1"),
+        (["--header-timeout", "0"], "--header-timeout=0.0 is invalid; allowed: 0 < seconds"),
+        (["--max-connections", "0"], "--max-connections=0 is invalid; allowed: >= 1"),
+    ],
+)
+def test_bad_serve_arguments_are_one_line_and_exit_2(args, words, capsys):
+    """In-process (the CLI's own parser and error path, as `rlax` runs them); each is
+    refused before the service starts, so nothing here serves."""
+    from pipeline.cli import build_parser
+    from pipeline.entrypoint import run_main
+
+    try:
+        parsed = build_parser().parse_args(["sandbox", "serve", "--port", "0", *args])
+    except SystemExit as stop:  # argparse's own refusal
+        code = stop.code
+    else:
+        code = run_main("rlax", lambda _argv: parsed.func(parsed))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert words in err.strip().splitlines()[-1], err
