@@ -176,6 +176,18 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_track(args: argparse.Namespace) -> int:
+    from pipeline.run import Run
+    from pipeline.tracking import export, override_tracking
+
+    run = Run.open(args.run)
+    cfg = override_tracking(run.config.tracking, args.overrides)
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    n = export(run, cfg, follow=args.follow, log=log)
+    print(f"[tracking] {n} records -> {', '.join(cfg.backends) or 'no backend'}", flush=True)
+    return 0
+
+
 def _job(role: str):
     def run(args: argparse.Namespace) -> int:
         from pipeline.run import Run
@@ -298,6 +310,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--follow", action="store_true", help="keep exporting new records until the run is done"
     )
     p.set_defaults(func=cmd_tensorboard)
+
+    p = sub.add_parser(
+        "track",
+        help="feed the run's metrics, config and report to its trackers (TensorBoard, "
+        "MLflow, W&B)",
+    )
+    p.add_argument("--run", required=True)
+    p.add_argument(
+        "--follow", action="store_true", help="keep exporting new records until the run is done"
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="tracking.* settings instead of the run's own, e.g. tracking.backends=[mlflow] "
+        "tracking.mlflow_uri=http://127.0.0.1:5000",
+    )
+    p.set_defaults(func=cmd_track)
 
     for role, help_ in (
         ("sft", "SFT bootstrap of the base model"),

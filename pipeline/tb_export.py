@@ -53,12 +53,16 @@ def tb_tag(path: str) -> str:
     return re.sub(r"[^-/\w.]", "_", path.replace("@", "_at_"))
 
 
+def x_key(stream: str) -> str:
+    """The field of a stream's records that is its x axis: weight version for evaluations,
+    batch index for rollout attempts (their tool use and generation / tool time), else the
+    trainer step."""
+    return "version" if stream.startswith("eval") else X_KEYS.get(stream, "step")
+
+
 def x_value(stream: str, record: dict[str, Any]) -> int:
-    """The record's position on the x axis: weight version for evaluations, batch index
-    for rollout attempts (their tool use and generation / tool time), else the trainer
-    step when the record has one, else its index."""
-    key = "version" if stream.startswith("eval") else X_KEYS.get(stream, "step")
-    value = record.get(key, record.get("index", 0))
+    """The record's position on the x axis (`x_key`), else its index."""
+    value = record.get(x_key(stream), record.get("index", 0))
     return int(value)
 
 
