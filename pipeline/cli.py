@@ -183,8 +183,9 @@ def cmd_track(args: argparse.Namespace) -> int:
     run = Run.open(args.run)
     cfg = override_tracking(run.config.tracking, args.overrides)
     log = lambda m: print(m, flush=True)  # noqa: E731
-    n = export(run, cfg, follow=args.follow, log=log)
-    print(f"[tracking] {n} records -> {', '.join(cfg.backends) or 'no backend'}", flush=True)
+    logged = export(run, cfg, follow=args.follow, log=log)
+    summary = ", ".join(f"{name} {n}" for name, n in logged.items()) or "no backend"
+    print(f"[tracking] records logged: {summary}", flush=True)
     return 0
 
 
@@ -313,8 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "track",
-        help="feed the run's metrics, config and report to its trackers (TensorBoard, "
-        "MLflow, W&B)",
+        help="feed the run's metrics, config and report to its trackers (TensorBoard, MLflow, W&B)",
     )
     p.add_argument("--run", required=True)
     p.add_argument(

@@ -469,15 +469,15 @@ class Exporter:
         self.sinks: dict[str, Sink | None] = dict.fromkeys(cfg.backends)
         self.failing: set[str] = set()
 
-    def sync(self) -> int:
-        """Run every sink once; returns the records logged (the most any sink logged)."""
-        most = 0
+    def sync(self) -> dict[str, int]:
+        """Run every sink once; returns {sink: records it logged} (0 for a failing one)."""
+        logged = dict.fromkeys(self.sinks, 0)
         for name in self.sinks:
             try:
                 sink = self.sinks[name]
                 if sink is None:
                     sink = self.sinks[name] = SINKS[name](self.run, self.cfg, self.log)
-                most = max(most, sink.sync())
+                logged[name] = sink.sync()
             except Exception as err:  # a tracker's failure must never fail the run
                 if name not in self.failing:
                     self.log(f"[tracking] {name} failed: {_first_line(err)}; retried later")
@@ -487,7 +487,7 @@ class Exporter:
                 if name in self.failing:
                     self.log(f"[tracking] {name} recovered")
                     self.failing.discard(name)
-        return most
+        return logged
 
     def _drop(self, name: str) -> None:
         sink, self.sinks[name] = self.sinks[name], None
@@ -516,18 +516,19 @@ def export(
     follow: bool = False,
     poll_s: float = 5.0,
     log: Log = print,
-) -> int:
+) -> dict[str, int]:
     """Feed the run's records to the backends of `cfg` (default: the run's own `tracking`
     section); with `follow`, keep going until the trainer is done and a pass finds nothing
-    new. Returns the number of records logged (the most any backend logged)."""
+    new. Returns {backend: records it logged} (TensorBoard rewrites all of them)."""
     ex = Exporter(run, cfg or run.config.tracking, log=log)
-    total = 0
+    total = dict.fromkeys(ex.sinks, 0)
     try:
         while True:
             done = run.store.exists(DONE_KEY)
-            n = ex.sync()
-            total += n
-            if not follow or (done and n == 0):
+            logged = ex.sync()
+            for name, n in logged.items():
+                total[name] += n
+            if not follow or (done and not any(logged.values())):
                 break
             time.sleep(poll_s)
     finally:

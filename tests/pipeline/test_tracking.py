@@ -83,7 +83,9 @@ def mlflow_server(tmp_path_factory):
             except OSError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlflow server did not start:\n{(root / 'server.log').read_text()}")
+                raise RuntimeError(
+                    f"mlflow server did not start:\n{(root / 'server.log').read_text()}"
+                )
             time.sleep(0.5)
         yield url
     finally:
@@ -256,8 +258,9 @@ def test_mlflow_gets_config_metrics_report_and_version_and_a_resume_continues_it
     plant(run, steps=range(4, 6), versions=range(2, 3), batches=range(3, 4))
     publish(run, 1)
     logs: list[str] = []
-    assert export(run, log=logs.append) == 4  # 2 train + 1 eval + 2 rollout attempts ...
-    assert export(run, log=logs.append) == 0  # ... and, again, nothing
+    # 2 train + 1 eval + 2 rollout attempts; TensorBoard rewrites its files from all 16.
+    assert export(run, log=logs.append) == {"tensorboard": 16, "mlflow": 5}
+    assert export(run, log=logs.append)["mlflow"] == 0  # ... and, again, nothing
     assert tracked_runs(run.store) == [tracked]
     assert len(client.search_runs([exp.experiment_id])) == 1
     assert_same_points(mlflow_points(client, tracked.run_id), expected(run))
@@ -280,13 +283,16 @@ def test_a_failing_tracker_is_logged_once_never_raises_and_is_retried_later(
     plant(run, steps=range(1, 3), versions=range(0, 1), batches=())
     down = override_tracking(
         run.config.tracking,
-        ["tracking.backends=[mlflow,tensorboard]", f"tracking.mlflow_uri=http://127.0.0.1:{free_port()}"],
+        [
+            "tracking.backends=[mlflow,tensorboard]",
+            f"tracking.mlflow_uri=http://127.0.0.1:{free_port()}",
+        ],
     )
     logs: list[str] = []
     ex = Exporter(run, down, log=logs.append)
     try:
-        assert ex.sync() == 3  # TensorBoard got everything
-        assert ex.sync() == 0
+        assert ex.sync() == {"mlflow": 0, "tensorboard": 3}  # TensorBoard got everything
+        assert ex.sync() == {"mlflow": 0, "tensorboard": 0}
     finally:
         ex.close()
     failed = [m for m in logs if "failed" in m]
@@ -294,7 +300,7 @@ def test_a_failing_tracker_is_logged_once_never_raises_and_is_retried_later(
     assert not run.store.exists(run_key("mlflow"))  # no tracked run, nothing marked exported
     # The tracker is back (here: the right URI): the next export sends everything.
     up = override_tracking(down, [f"tracking.mlflow_uri={mlflow_server}"])
-    assert export(run, up, log=logs.append) == 3
+    assert export(run, up, log=logs.append) == {"mlflow": 3, "tensorboard": 3}
     (tracked,) = tracked_runs(run.store)
     client = MlflowClient(tracking_uri=mlflow_server)
     assert_same_points(mlflow_points(client, tracked.run_id), expected(run))
@@ -332,8 +338,8 @@ def test_wandb_offline_files_hold_the_records_and_a_resume_continues_the_same_ru
     assert tracked.sink == "wandb" and tracked.url == ""  # offline: no web page yet
     plant(run, steps=range(3, 4), versions=range(2, 3), batches=range(2, 3))
     publish(run, 1)
-    assert export(run, log=print) == 4
-    assert export(run, log=print) == 0
+    assert export(run, log=print) == {"wandb": 4}  # 1 train, 1 eval, 2 rollout attempts
+    assert export(run, log=print) == {"wandb": 0}
 
     files = sorted(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 3  # one per exporter process (report, two exports): one run id
