@@ -177,11 +177,12 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
 
 
 def cmd_track(args: argparse.Namespace) -> int:
+    from pipeline.config import override_section
     from pipeline.run import Run
-    from pipeline.tracking import export, override_tracking
+    from pipeline.tracking import export
 
     run = Run.open(args.run)
-    cfg = override_tracking(run.config.tracking, args.overrides)
+    cfg = override_section(run.config.tracking, "tracking", args.overrides)
     log = lambda m: print(m, flush=True)  # noqa: E731
     logged = export(run, cfg, follow=args.follow, log=log)
     summary = ", ".join(f"{name} {n}" for name, n in logged.items()) or "no backend"

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from pipeline import algorithms, environments, sandbox, tracking
+from pipeline import algorithms, environments, sandbox
 from pipeline.errors import ConfigError
 from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
@@ -32,6 +32,7 @@ from pipeline.tasks import TASKS
 from pipeline.tasks.base import SyntheticTask
 from pipeline.tokenizer import TOKENIZERS
 from pipeline.tool_calls import TRUNCATED
+from pipeline.tracking import TrackingConfig
 
 TOKENIZER_NAMES = (*TOKENIZERS, "hf")  # the built-in ones, or the imported one
 
@@ -641,57 +642,6 @@ class StorageConfig:
         _check(bool(self.root), "storage.root", self.root, "a local path or gs://bucket/prefix")
 
 
-MLFLOW_URI_ALLOWED = (
-    "an MLflow tracking URI: http(s)://host:port of an MLflow server, sqlite:///path.db, "
-    "file:///dir or databricks"
-)
-
-
-@dataclass(frozen=True)
-class TrackingConfig:
-    """Where the run's metrics are also shown (`pipeline.tracking`; README, Tracking).
-
-    backends: the sinks fed from the run's metrics records (`pipeline.tracking.SINKS`):
-        "tensorboard" (event files in `{run}/tensorboard/` of a local run), "mlflow",
-        "wandb"; empty: none.
-    mlflow_uri: the MLflow tracking URI (needed with "mlflow"); credentials stay in the
-        exporter's environment (MLFLOW_TRACKING_TOKEN, ...), never in the config.
-    experiment: the MLflow experiment, and the W&B project, that the run goes to.
-    wandb_mode: "online" (WANDB_API_KEY in the exporter's environment) or "offline" (run
-        files only, for machines without egress: `wandb sync --append` them later).
-    wandb_entity: the W&B team or user ("" = the API key's default entity).
-    wandb_dir: where W&B writes its run files ("" = the run's directory for a local run,
-        else WANDB_DIR or the working directory).
-    """
-
-    backends: tuple[str, ...] = ("tensorboard",)
-    mlflow_uri: str = ""
-    experiment: str = "rlax"
-    wandb_mode: str = "online"
-    wandb_entity: str = ""
-    wandb_dir: str = ""
-
-    def __post_init__(self) -> None:
-        for name in self.backends:
-            _one_of("tracking.backends", name, tracking.SINKS)
-        _check(
-            len(set(self.backends)) == len(self.backends),
-            "tracking.backends",
-            list(self.backends),
-            "each backend at most once",
-        )
-        if "mlflow" in self.backends or self.mlflow_uri:
-            uri = self.mlflow_uri
-            _check(
-                "://" in uri or uri.startswith("databricks"),
-                "tracking.mlflow_uri",
-                uri,
-                MLFLOW_URI_ALLOWED,
-            )
-        _check(bool(self.experiment.strip()), "tracking.experiment", self.experiment, "a name")
-        _one_of("tracking.wandb_mode", self.wandb_mode, tracking.WANDB_MODES)
-
-
 @dataclass(frozen=True)
 class SandboxConfig:
     """Where this run's verifiers execute programs (`pipeline.sandbox`, docs/sandbox.md).
@@ -1133,6 +1083,17 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
     return tree
+
+
+def override_section(section: Any, name: str, overrides: Iterable[str]) -> Any:
+    """A config section (e.g. a run's `tracking`) with dotted `{name}.*` overrides applied;
+    any other key is refused (`rlax track` sends a stored run elsewhere, nothing more)."""
+    tree = parse_overrides(overrides)
+    other = sorted(set(tree) - {name})
+    if other:
+        raise ConfigError(f"only {name}.* settings can be set here, got {', '.join(other)}")
+    merged = _merge(dataclasses.asdict(section), tree.get(name, {}))
+    return from_dict(type(section), merged, prefix=f"{name}.")
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

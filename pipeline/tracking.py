@@ -45,10 +45,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.errors import check as _check
+from pipeline.errors import one_of as _one_of
 from pipeline.layout import DONE_KEY, METRICS_PREFIX, REPORT_PREFIX, TRACKING_PREFIX
 
 if TYPE_CHECKING:
-    from pipeline.config import TrackingConfig
     from pipeline.run import Run
     from pipeline.storage import ObjectStore
 
@@ -105,19 +106,6 @@ def flat_params(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
         else:
             out[name] = json.dumps(value) if isinstance(value, list | tuple) else str(value)
     return out
-
-
-def override_tracking(cfg: TrackingConfig, overrides: list[str]) -> TrackingConfig:
-    """`cfg` with dotted `tracking.*` overrides applied (a run's stored config.json keeps
-    its own section; `rlax track` can send the run elsewhere)."""
-    from pipeline.config import ConfigError, TrackingConfig, from_dict, parse_overrides
-
-    tree = parse_overrides(overrides)
-    other = sorted(set(tree) - {"tracking"})
-    if other:
-        raise ConfigError(f"only tracking.* settings can be overridden here, got {other}")
-    merged = {**dataclasses.asdict(cfg), **tree.get("tracking", {})}
-    return from_dict(TrackingConfig, merged, prefix="tracking.")
 
 
 def record_points(stream: str, record: dict[str, Any], when: float) -> list[Point]:
@@ -297,9 +285,9 @@ class TrackerSink(Sink):
 
 
 def _latest_version(run: Run) -> int | None:
-    from pipeline.run import weights_server
+    from pipeline.paramserver import ParamServer  # only its LATEST pointer is read
 
-    return weights_server(run).latest_version()
+    return ParamServer(run.store).latest_version()
 
 
 class MlflowSink(TrackerSink):
@@ -458,6 +446,57 @@ SINKS: dict[str, type[Sink]] = {
     "wandb": WandbSink,
 }
 WANDB_MODES = ("online", "offline")
+
+
+MLFLOW_URI_ALLOWED = (
+    "an MLflow tracking URI: http(s)://host:port of an MLflow server, sqlite:///path.db, "
+    "file:///dir or databricks"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackingConfig:
+    """Where the run's metrics are also shown (`pipeline.tracking`; README, Tracking).
+
+    backends: the sinks fed from the run's metrics records (`pipeline.SINKS`):
+        "tensorboard" (event files in `{run}/tensorboard/` of a local run), "mlflow",
+        "wandb"; empty: none.
+    mlflow_uri: the MLflow tracking URI (needed with "mlflow"); credentials stay in the
+        exporter's environment (MLFLOW_TRACKING_TOKEN, ...), never in the config.
+    experiment: the MLflow experiment, and the W&B project, that the run goes to.
+    wandb_mode: "online" (WANDB_API_KEY in the exporter's environment) or "offline" (run
+        files only, for machines without egress: `wandb sync --append` them later).
+    wandb_entity: the W&B team or user ("" = the API key's default entity).
+    wandb_dir: where W&B writes its run files ("" = the run's directory for a local run,
+        else WANDB_DIR or the working directory).
+    """
+
+    backends: tuple[str, ...] = ("tensorboard",)
+    mlflow_uri: str = ""
+    experiment: str = "rlax"
+    wandb_mode: str = "online"
+    wandb_entity: str = ""
+    wandb_dir: str = ""
+
+    def __post_init__(self) -> None:
+        for name in self.backends:
+            _one_of("tracking.backends", name, SINKS)
+        _check(
+            len(set(self.backends)) == len(self.backends),
+            "tracking.backends",
+            list(self.backends),
+            "each backend at most once",
+        )
+        if "mlflow" in self.backends or self.mlflow_uri:
+            uri = self.mlflow_uri
+            _check(
+                "://" in uri or uri.startswith("databricks"),
+                "tracking.mlflow_uri",
+                uri,
+                MLFLOW_URI_ALLOWED,
+            )
+        _check(bool(self.experiment.strip()), "tracking.experiment", self.experiment, "a name")
+        _one_of("tracking.wandb_mode", self.wandb_mode, WANDB_MODES)
 
 
 class Exporter:

@@ -5,12 +5,8 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -18,13 +14,12 @@ import numpy as np
 import pytest
 
 from pipeline.airflow_local import free_port
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, override_section
 from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.tracking import (
     Exporter,
     export,
     flat_params,
-    override_tracking,
     run_key,
     tracked_runs,
 )
@@ -46,56 +41,16 @@ def offline_trackers(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """`mlflow server` with a SQLite backend and served artifacts, on a free local port."""
-    root = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
-    log = open(root / "server.log", "wb")  # noqa: SIM115 - closed after the server
-    proc = subprocess.Popen(
-        [
-            str(BIN / "mlflow"),
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{root / 'mlflow.db'}",
-            "--artifacts-destination",
-            str(root / "artifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-        ],
-        cwd=root,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
+    """`mlflow server` (SQLite backend, served artifacts) on a free 127.0.0.1 port, started
+    as `rlax stack up --mlflow` starts it (pipeline/stack.py), stopped afterwards."""
+    from pipeline.stack import SERVICES_BY_NAME, Stack
+
+    stack = Stack(root=tmp_path_factory.mktemp("stack"), log=lambda m: None)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"mlflow server did not start:\n{(root / 'server.log').read_text()}"
-                )
-            time.sleep(0.5)
-        yield url
+        stack.start(SERVICES_BY_NAME["mlflow"], timeout=300)
+        yield stack.mlflow_url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        stack.stop("mlflow")
 
 
 # -- a run's records ---------------------------------------------------------------------
@@ -281,8 +236,9 @@ def test_a_failing_tracker_is_logged_once_never_raises_and_is_retried_later(
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     run = new_run(tmp_path)
     plant(run, steps=range(1, 3), versions=range(0, 1), batches=())
-    down = override_tracking(
+    down = override_section(
         run.config.tracking,
+        "tracking",
         [
             "tracking.backends=[mlflow,tensorboard]",
             f"tracking.mlflow_uri=http://127.0.0.1:{free_port()}",
@@ -299,7 +255,7 @@ def test_a_failing_tracker_is_logged_once_never_raises_and_is_retried_later(
     assert len(failed) == 1 and failed[0].startswith("[tracking] mlflow failed:"), logs
     assert not run.store.exists(run_key("mlflow"))  # no tracked run, nothing marked exported
     # The tracker is back (here: the right URI): the next export sends everything.
-    up = override_tracking(down, [f"tracking.mlflow_uri={mlflow_server}"])
+    up = override_section(down, "tracking", [f"tracking.mlflow_uri={mlflow_server}"])
     assert export(run, up, log=logs.append) == {"mlflow": 3, "tensorboard": 3}
     (tracked,) = tracked_runs(run.store)
     client = MlflowClient(tracking_uri=mlflow_server)
@@ -387,9 +343,9 @@ def test_tracking_config_refuses_what_it_cannot_use():
             tiny_config(bad)
     assert tiny_config().tracking.backends == ("tensorboard",)
     cfg = tiny_config().tracking
-    assert override_tracking(cfg, ["tracking.backends=[]"]).backends == ()
+    assert override_section(cfg, "tracking", ["tracking.backends=[]"]).backends == ()
     with pytest.raises(ConfigError, match="only tracking"):
-        override_tracking(cfg, ["trainer.lr=1"])
+        override_section(cfg, "tracking", ["trainer.lr=1"])
 
 
 def test_flat_params_are_dotted_with_lists_as_json():
