@@ -26,7 +26,8 @@ create-only, so a resumed exporter (or a second one racing it) continues the sam
 run; `tracking/{sink}/cursor.json` (compare-and-swap) lists the record keys already
 logged, so an export that is repeated or resumed logs nothing twice. A record is marked
 exported only after the tracker accepted it: a crash in between logs it again on the next
-export (MLflow's server drops such exact duplicates; W&B would show the point twice).
+export (MLflow's server drops such exact duplicates, as every record but a rollout
+attempt carries its write time; W&B would show the point twice).
 
 A failing sink is logged once (until it recovers) and retried on the next pass or export;
 it never fails the report or training. mlflow, wandb and tensorboardX are imported inside
