@@ -4,7 +4,8 @@ An Airflow 3 plugin (entry point `airflow.plugins` in pyproject.toml, so every c
 with the project installed loads it: `make airflow`, the compose stack, a cluster image):
 
 * a FastAPI app under `/rlax-report` that renders the run's `report/report.md` as HTML,
-  with its PNG plots, read through `pipeline.storage` (a run directory or `gs://`);
+  with its PNG plots, read through `pipeline.storage` (a run directory or `gs://`), and
+  links to the run in MLflow / W&B when `pipeline.tracking` has exported it there;
 * an external view with destination `dag_run`: the UI shows it as a tab of each DAG run,
   in an iframe on the same origin, so the UI's session cookie authenticates it.
 
@@ -60,8 +61,7 @@ def run_url_of(session: Any, dag_id: str, run_id: str) -> str | None:
 
 @app.get("/{dag_id}/{run_id}/", response_class=HTMLResponse, dependencies=can_read_runs)
 def report_page(dag_id: str, run_id: str, session: SessionDep) -> HTMLResponse:
-    from pipeline.report import REPORT_KEY, report_html
-    from pipeline.storage import open_store
+    from pipeline.report import report_html
 
     url = run_url_of(session, dag_id, run_id)
     if url is None:
@@ -73,16 +73,25 @@ def report_page(dag_id: str, run_id: str, session: SessionDep) -> HTMLResponse:
                 "tab shows its report once the `report` task has written it.",
             )
         )
+    return HTMLResponse(run_page(url))
+
+
+def run_page(url: str) -> str:
+    """The page of RLAX run `url`: its report (or a note that there is none yet), with
+    links to its tracked runs in MLflow / W&B (`tracking/*/run.json`) when there are any."""
+    from pipeline.report import REPORT_KEY, report_html
+    from pipeline.storage import open_store
+    from pipeline.tracking import tracked_runs
+
     store = open_store(url)
+    tracked = tracked_runs(store)
     if not store.exists(REPORT_KEY):
-        return HTMLResponse(
-            report_html(
-                None,
-                f"Run `{url}`: no report yet. The `report` task writes it at the end of "
-                "the DAG run (after `evaluate`); reload this tab then.",
-            )
+        note = (
+            f"Run `{url}`: no report yet. The `report` task writes it at the end of "
+            "the DAG run (after `evaluate`); reload this tab then."
         )
-    return HTMLResponse(report_html(store.read(REPORT_KEY).decode(), f"Run `{url}`"))
+        return report_html(None, note, tracked)
+    return report_html(store.read(REPORT_KEY).decode(), f"Run `{url}`", tracked)
 
 
 @app.get("/{dag_id}/{run_id}/{name}", dependencies=can_read_runs)

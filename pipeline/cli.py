@@ -190,6 +190,20 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_track(args: argparse.Namespace) -> int:
+    from pipeline.config import override_section
+    from pipeline.run import Run
+    from pipeline.tracking import export
+
+    run = Run.open(args.run)
+    cfg = override_section(run.config.tracking, "tracking", args.overrides)
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    logged = export(run, cfg, follow=args.follow, log=log)
+    summary = ", ".join(f"{name} {n}" for name, n in logged.items()) or "no backend"
+    print(f"[tracking] records logged: {summary}", flush=True)
+    return 0
+
+
 def _job(role: str):
     def run(args: argparse.Namespace) -> int:
         from pipeline.run import Run
@@ -373,6 +387,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--follow", action="store_true", help="keep exporting new records until the run is done"
     )
     p.set_defaults(func=cmd_tensorboard)
+
+    p = sub.add_parser(
+        "track",
+        help="feed the run's metrics, config and report to its trackers (TensorBoard, MLflow, W&B)",
+    )
+    p.add_argument("--run", required=True)
+    p.add_argument(
+        "--follow", action="store_true", help="keep exporting new records until the run is done"
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="tracking.* settings instead of the run's own, e.g. tracking.backends=[mlflow] "
+        "tracking.mlflow_uri=http://127.0.0.1:5000",
+    )
+    p.set_defaults(func=cmd_track)
 
     for role, help_ in (
         ("sft", "SFT bootstrap of the base model"),

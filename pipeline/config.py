@@ -32,6 +32,7 @@ from pipeline.tasks import TASKS
 from pipeline.tasks.base import SyntheticTask
 from pipeline.tokenizer import TOKENIZERS
 from pipeline.tool_calls import TRUNCATED
+from pipeline.tracking import TrackingConfig
 
 TOKENIZER_NAMES = (*TOKENIZERS, "hf")  # the built-in ones, or the imported one
 
@@ -849,6 +850,7 @@ class RunConfig:
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     paramserver: ParamServerConfig = field(default_factory=ParamServerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         _check(self.seed >= 0, "seed", self.seed, ">= 0")
@@ -1081,6 +1083,17 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
     return tree
+
+
+def override_section(section: Any, name: str, overrides: Iterable[str]) -> Any:
+    """A config section (e.g. a run's `tracking`) with dotted `{name}.*` overrides applied;
+    any other key is refused (`rlax track` sends a stored run elsewhere, nothing more)."""
+    tree = parse_overrides(overrides)
+    other = sorted(set(tree) - {name})
+    if other:
+        raise ConfigError(f"only {name}.* settings can be set here, got {', '.join(other)}")
+    merged = _merge(dataclasses.asdict(section), tree.get(name, {}))
+    return from_dict(type(section), merged, prefix=f"{name}.")
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

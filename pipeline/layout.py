@@ -19,6 +19,9 @@ CHECKPOINTS_PREFIX = "checkpoints"  # the trainer's Orbax checkpoints
 CHECKPOINT_MANIFESTS = "checkpoint_manifests"
 PASS_RATES_PREFIX = "pass_rates"  # tpu_jobs.pass_rates
 REPORT_PREFIX = "report"  # report.md and its plots (pipeline.report)
+# tracking/<sink>/run.json: the experiment tracker's run id (create-only), cursor.json: the
+# records already logged to it (pipeline.tracking).
+TRACKING_PREFIX = "tracking"
 DONE_KEY = "trainer/DONE.json"  # written by the trainer when its last step is done
 ABORT_KEY = "airflow/ABORT.json"  # the RL stage gave up for good (pipeline.abort)
 LINEAGE_KEY = "lineage.json"  # a retraining child's pinned base (pipeline.lineage)

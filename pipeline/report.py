@@ -8,16 +8,20 @@ Reads only what the roles wrote (metrics records, eval summaries); never recompu
     report/judge_buckets.png self-judgment (and ORM) precision / recall by difficulty tercile
     report/judge_vs_pass.png judge accuracy vs pass@1 per version (co-evolution)
 
-For a local run `build_report` also refreshes the TensorBoard event files in
-`{run}/tensorboard/` (`pipeline/tb_export.py`).
+`build_report` then feeds the run's trackers (`pipeline/tracking.py`, the `tracking`
+section): by default the TensorBoard event files in `{run}/tensorboard/` of a local run
+(`pipeline/tb_export.py`); MLflow and W&B get the records, the config and this report.
 """
 
 from __future__ import annotations
 
+import html
 import io
+from collections.abc import Sequence
 from typing import Any
 
 from pipeline.run import REPORT_PREFIX, Run
+from pipeline.tracking import TrackedRun
 
 REPORT_KEY = f"{REPORT_PREFIX}/report.md"
 
@@ -372,7 +376,7 @@ def build_report(run: Run) -> str:
     for key, data in pngs.items():
         _put(run, key, data)
     _put(run, REPORT_KEY, md.encode())
-    _refresh_tensorboard(run)
+    _refresh_trackers(run)
     return md
 
 
@@ -563,16 +567,13 @@ def _glossary(evals: list[dict[str, Any]], streams: dict[str, list[dict[str, Any
     return lines
 
 
-def _refresh_tensorboard(run: Run) -> None:
-    from pipeline.tb_export import export, local_logdir
+def _refresh_trackers(run: Run) -> None:
+    """Feed the run's trackers (`tracking.backends`: TensorBoard files of a local run,
+    MLflow, W&B) with the records and this report. A tracker that fails is reported in
+    one line and retried by the next export; the report itself is complete either way."""
+    from pipeline.tracking import export
 
-    logdir = local_logdir(run)
-    if logdir is None:
-        return
-    try:
-        export(run, logdir, log=lambda m: None)
-    except ImportError as err:  # tensorboardX missing: the report itself is still complete
-        print(f"[report] TensorBoard export skipped: {err}")
+    export(run, log=lambda m: print(f"[report] {m}", flush=True))
 
 
 def headline(evals: list[dict[str, Any]]) -> str:
@@ -621,17 +622,37 @@ img {{ max-width: 100%; border: 1px solid #e2e8f0; }}
 code {{ background: #edf2f7; padding: 0 0.2rem; }}
 .note {{ color: #4a5568; }}
 </style></head>
-<body><div class="note">{note}</div>{body}</body></html>
+<body><div class="note">{note}</div>{links}{body}</body></html>
 """
+TRACKER_NAMES = {"mlflow": "MLflow", "wandb": "Weights & Biases"}
 
 
-def report_html(markdown: str | None, note: str) -> str:
-    """A report (markdown, or None) and a note above it as one HTML page. Raw HTML in
-    the markdown is escaped, not rendered (CommonMark with html off, plus tables)."""
+def tracker_links(tracked: Sequence[TrackedRun]) -> str:
+    """The tracked runs as an HTML line of links (each opens in a new tab: trackers refuse
+    to be framed), or a plain mention for one without a web page (an offline W&B run)."""
+    items = []
+    for t in tracked:
+        label = html.escape(f"{TRACKER_NAMES.get(t.sink, t.sink)} run {t.run_id}")
+        if t.url.startswith(("http://", "https://")):
+            href = html.escape(t.url, quote=True)
+            items.append(f'<a href="{href}" target="_blank" rel="noopener">{label}</a>')
+        else:
+            items.append(f"{label} (no web page: offline)")
+    return f'<p class="note">Tracked: {" · ".join(items)}</p>' if items else ""
+
+
+def report_html(markdown: str | None, note: str, tracked: Sequence[TrackedRun] = ()) -> str:
+    """A report (markdown, or None), a note above it and links to the run's trackers as one
+    HTML page. Raw HTML in the markdown is escaped, not rendered (CommonMark with html off,
+    plus tables)."""
     from markdown_it import MarkdownIt
 
     md = MarkdownIt("commonmark", {"html": False}).enable("table")
-    return PAGE.format(note=md.render(note), body=md.render(markdown) if markdown else "")
+    return PAGE.format(
+        note=md.render(note),
+        links=tracker_links(tracked),
+        body=md.render(markdown) if markdown else "",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,8 @@
 Services, in start order (`SERVICES`): PostgreSQL as Airflow's metadata database (a
 cluster of its own: `initdb` + `postgres`), Redis as the Celery broker, fake-gcs-server as
 the bucket (`gs://rlax-runs`, filesystem backend), the sandbox service, a dask.distributed
-scheduler with two workers (Beam's DaskRunner), and Airflow 3: api-server, scheduler,
+scheduler with two workers (Beam's DaskRunner), with `--mlflow` an MLflow tracking server
+(SQLite, artifacts on disk: `tracking.backends: [mlflow]`), and Airflow 3: api-server, scheduler,
 dag-processor and two Celery workers. Worker 1 serves the `trainer` and default queues,
 worker 2 the `rollout` and default queues (dags/stage.py routes the tasks), so the trainer
 and the rollout workers always land on different Celery workers.
@@ -216,6 +217,10 @@ class Stack:
     @property
     def sandbox_url(self) -> str:
         return f"http://127.0.0.1:{self.port('sandbox')}"
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://127.0.0.1:{self.port('mlflow')}"
 
     @property
     def dask_address(self) -> str:
@@ -646,6 +651,39 @@ def _sandbox_env(stack: Stack) -> dict[str, str]:
     return {**os.environ, "RLAX_SANDBOX_TOKEN": stack.secrets["sandbox_token"]}
 
 
+MLFLOW_ENV = "RLAX_STACK_MLFLOW"  # "1": `up` also starts the MLflow server (`up --mlflow`)
+
+
+def _mlflow_wanted() -> str | None:
+    if os.environ.get(MLFLOW_ENV) == "1":
+        return None
+    return f"off (`rlax stack up --mlflow` or {MLFLOW_ENV}=1 starts it)"
+
+
+def _mlflow_command(stack: Stack) -> list[str]:
+    """The tracking server of `tracking.backends: [mlflow]` (pipeline/tracking.py): runs
+    and metrics in SQLite, artifacts (the reports) served from a local directory."""
+    root = stack.dir("mlflow")
+    return [
+        str(Path(sys.executable).parent / "mlflow"),
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(root / "artifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(stack.port("mlflow")),
+        "--workers",
+        "1",
+    ]
+
+
+def _mlflow_env(_stack: Stack) -> dict[str, str]:
+    return {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}  # nothing leaves the machine
+
+
 def _dask(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "dask"), *args]
 
@@ -754,6 +792,13 @@ STAGES: tuple[tuple[Service, ...], ...] = (
         ),
         _dask_worker(1),
         _dask_worker(2),
+        Service(
+            "mlflow",
+            _mlflow_command,
+            lambda s, _: bool(_http_ok(f"{s.mlflow_url}/health")),
+            env=_mlflow_env,
+            available=_mlflow_wanted,
+        ),
     ),
     (
         Service(
@@ -816,6 +861,8 @@ def up(root: Path = DEFAULT_DIR, log: Callable[[str], None] = print) -> Stack:
     log(f"stack up in {time.monotonic() - t0:.1f}s under {stack.root}")
     log(f"  Airflow UI/API {stack.api_url} (user {ADMIN}, password in {stack.root / SECRETS_FILE})")
     log(f"  bucket gs://{BUCKET} at {stack.gcs_url}; Dask {stack.dask_address}")
+    if stack.running("mlflow"):
+        log(f"  MLflow {stack.mlflow_url} (tracking.backends=[mlflow] tracking.mlflow_uri=...)")
     return stack
 
 
@@ -873,7 +920,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("action", choices=["up", "status", "down", "restart", "preempt"])
     p.add_argument("service", nargs="?", help="for restart/preempt: " + ", ".join(SERVICES_BY_NAME))
     p.add_argument("--dir", default=str(DEFAULT_DIR), help="the stack's directory (./stack)")
+    p.add_argument(
+        "--mlflow",
+        action="store_true",
+        help=f"up: also start an MLflow tracking server (or {MLFLOW_ENV}=1)",
+    )
     args = p.parse_args(argv)
+    if args.mlflow:
+        os.environ[MLFLOW_ENV] = "1"
     root = Path(args.dir)
     try:
         if args.action == "up":

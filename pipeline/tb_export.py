@@ -19,7 +19,8 @@ from the records on every start (so a restart never duplicates points), and agai
 record appears out of order (an evaluation of an older version, say). `--follow` keeps
 exporting new records as they appear until the trainer is done (`trainer/DONE.json`)
 and a pass finds nothing new. `rlax report` refreshes `{run}/tensorboard/` for a local
-run. tensorboardX is imported only when exporting, so `pipeline` stays light.
+run (the `tensorboard` backend of `pipeline/tracking.py`, the default). tensorboardX is
+imported only when exporting, so `pipeline` stays light.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline.run import DONE_KEY, Run
+from pipeline.layout import DONE_KEY
 from pipeline.storage import local_path
+
+if TYPE_CHECKING:  # pipeline.run imports the config, which imports pipeline.tracking
+    from pipeline.run import Run
 
 EVENT_PREFIX = "events.out.tfevents."
 SKIP_KEYS = {"index", "time", "step", "version"}  # bookkeeping, or the x axis itself
@@ -53,12 +57,16 @@ def tb_tag(path: str) -> str:
     return re.sub(r"[^-/\w.]", "_", path.replace("@", "_at_"))
 
 
+def x_key(stream: str) -> str:
+    """The field of a stream's records that is its x axis: weight version for evaluations,
+    batch index for rollout attempts (their tool use and generation / tool time), else the
+    trainer step."""
+    return "version" if stream.startswith("eval") else X_KEYS.get(stream, "step")
+
+
 def x_value(stream: str, record: dict[str, Any]) -> int:
-    """The record's position on the x axis: weight version for evaluations, batch index
-    for rollout attempts (their tool use and generation / tool time), else the trainer
-    step when the record has one, else its index."""
-    key = "version" if stream.startswith("eval") else X_KEYS.get(stream, "step")
-    value = record.get(key, record.get("index", 0))
+    """The record's position on the x axis (`x_key`), else its index."""
+    value = record.get(x_key(stream), record.get("index", 0))
     return int(value)
 
 

@@ -71,3 +71,17 @@ def test_unknown_service_is_refused_with_the_allowed_names(tmp_path, capsys):
     assert stack.main(["restart", "mysql", "--dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "unknown service 'mysql'" in err and "postgres" in err
+
+
+def test_mlflow_is_started_only_when_asked_and_binds_loopback(tmp_path, monkeypatch):
+    monkeypatch.delenv(stack.MLFLOW_ENV, raising=False)
+    svc = stack.SERVICES_BY_NAME["mlflow"]
+    assert "--mlflow" in svc.available()
+    monkeypatch.setenv(stack.MLFLOW_ENV, "1")
+    assert svc.available() is None
+    s = stack.Stack(root=tmp_path)
+    cmd = svc.command(s)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--port") + 1] == str(s.ports["mlflow"])
+    assert cmd[cmd.index("--backend-store-uri") + 1] == f"sqlite:///{tmp_path}/mlflow/mlflow.db"
+    # (started for real by tests/pipeline/test_tracking.py's mlflow_server fixture)
