@@ -886,7 +886,12 @@ class Trainer:
         if derived is not None:
             return "an intact chain of older versions", self._own_copy(derived)
         step = version * tc.publish_every
-        restored = self.ckpt.restore_step(step, self._template)
+        # Only process 0 heals, and a restore is a collective across a multi-host trainer.
+        restored = (
+            self.ckpt.restore_step(step, self._template)
+            if jax.process_count() == 1
+            else "a multi-host trainer does not restore single checkpoints to repair"
+        )
         if not isinstance(restored, str):
             (params, _), meta = restored
             if meta.get("config_digest") in self.run.config_digests():
