@@ -8,7 +8,9 @@ for each of the batch's prompts with the pinned policy version
 (`pipeline.rollouts.required_version`), scores them with the task verifiers and commits
 the batch create-only. Sampling keys derive from (seed, batch index, prompt position,
 sample index) only, so whichever worker produces a batch, it is the same batch.
-A snapshot that fails its checksums is refused and the worker keeps its weights.
+A snapshot that fails its checksums is refused and the worker keeps its weights, leaves a
+damage report for the trainer (which republishes the version, docs/parameter-server.md,
+*Repairs*) and backs off until the report is cleared.
 Text is encoded with the run's tokenizer (`model.tokenizer`, `tpu_jobs.hf_tokenizer.run_tokenizer`);
 with `mesh.sampler` set, the worker samples on a mesh of all its devices (docs/scaling.md).
 

@@ -13,7 +13,10 @@ batches live on a mesh of all the process's devices (`Learner`, docs/scaling.md)
 Step t reads batch t (so replay is deterministic), drops it if it is more than
 `max_staleness` versions old (or holds no group at all, see DAPO below), computes the
 loss, updates, publishes version t // publish_every when due and checkpoints every
-`checkpoint_every` steps and on SIGTERM.
+`checkpoint_every` steps and on SIGTERM. A version a rollout worker reports damaged (and
+still needs) is republished with its exact bits from the trainer's parameters, an intact
+chain in the store or the checkpoint of its step; where none has them the trainer stops
+with exit code 4 and one line (docs/parameter-server.md, *Repairs*).
 
 The objective is `losses.compute_loss` with the LossSpec of `trainer.algorithm` and the
 config's overrides (`TrainerConfig.loss_overrides`). `Learner` holds the math (train state,
@@ -764,7 +767,7 @@ class Trainer:
         if damage is not None:
             # A retry (a resume) found its version committed but damaged: it holds the
             # very tensors, so it republishes them (the same bits) instead of waiting.
-            self._repair(snap, state, damage, "the trainer's parameters")
+            self._repair(snap, damage, "the trainer's parameters")
         # A retry of a committed version leaves its stored bits as the next base (pulled).
         self._published = snap if wrote and pc.full_every > 1 else None
         if wrote:
@@ -868,17 +871,18 @@ class Trainer:
                 self.ps.clear_reports(version)
                 continue
             source, snap = self._exact_version(version, state, damage)
-            self._repair(snap, state, f"a rollout worker refused it: {reasons[0]}", source)
+            self._repair(snap, f"a rollout worker refused it: {reasons[0]}", source)
 
     def _exact_version(
         self, version: int, state: TrainerState, damage: str
     ) -> tuple[str, Snapshot]:
         """(where from, the snapshot) of ``version`` with the bits it was published with:
-        the trainer's parameters when it is the current version; else any intact chain in
+        the trainer's parameters when they are that version's; else any intact chain in
         the store (`ParamServer.derive`); else the checkpoint of its step. IntegrityError,
         naming the version and what to restore, when none has them."""
         tc = self.cfg.trainer
-        if version == state.step // tc.publish_every:
+        # The parameters are the version's only at its own step (publish_every > 1).
+        if state.step == version * tc.publish_every:
             return "the trainer's parameters", self._published_snapshot(
                 version, state.params["policy"]
             )
@@ -917,7 +921,7 @@ class Trainer:
         split = meshlib.split_axes({k: v.shape for k, v in tensors.items()}, parts)
         return Snapshot.of(snap.version, tensors, split, parts)
 
-    def _repair(self, snap: Snapshot, state: TrainerState, why: str, source: str) -> None:
+    def _repair(self, snap: Snapshot, why: str, source: str) -> None:
         """Republish ``snap`` (exact bits) over its damaged version (`ParamServer.repair`),
         with a delta against the version before when that one still pulls."""
         version, pc = snap.version, self.cfg.paramserver
@@ -936,7 +940,7 @@ class Trainer:
             self._published = snap
         self.log(
             f"[trainer] v{version} was damaged ({why}); republished it from {source} "
-            f"(same bits; the damaged objects are in {self.ps.store.url_of(moved)})"
+            f"(same bits; the damaged objects are in {moved})"
         )
 
     def _next_batch(self, state: TrainerState) -> tuple[RolloutBatch | str, bytes] | None:

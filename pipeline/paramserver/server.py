@@ -448,8 +448,8 @@ class ParamServer:
         for start in reversed(committed):
             try:
                 held = self.pull(start)
-                for v in range(start + 1, version + 1):
-                    held = self.pull(v, have=held)
+                for v in range(start + 1, version + 1):  # each delta, no other fallback
+                    held = self._rebuild(v, read_normalized(self._w, v), held, None)
             except (CorruptSnapshotError, SnapshotNotFoundError):
                 continue
             return held
@@ -468,7 +468,7 @@ class ParamServer:
         was published with (the trainer's parameters of that version, its checkpoint, or
         ``derive``), as a full snapshot, plus a delta against ``base`` (the previous
         version, complete) when given, so that chains of later versions through this one
-        stay intact. Returns the quarantine prefix the replaced objects were moved to.
+        stay intact. Returns the URL of the quarantine prefix the replaced objects went to.
 
         Committed objects are never overwritten: the damaged ones (manifest first, so no
         reader ever sees a mix of old and new shards) are copied create-only to
@@ -496,7 +496,7 @@ class ParamServer:
             full_every=full_every,
         )
         self.clear_reports(version)
-        return moved
+        return self._w.url_of(moved)
 
     def gc(self, keep_last: int, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Delete committed versions except the newest ``keep_last``, LATEST and ``protected``,
