@@ -28,10 +28,11 @@ class Fault:
     test: str  # a pytest node id (a prefix selects all its parametrisations)
 
 
-T, C, P = (
+T, C, P, H = (
     "tests/tpu_jobs/test_trainer.py::",
     "tests/pipeline/",
     "tests/tpu_jobs/test_preemption.py::",
+    "tests/tpu_jobs/test_version_healing.py::",
 )
 FAULTS = [
     Fault(
@@ -95,6 +96,23 @@ FAULTS = [
         "parameters (same bits); the worker loads it",
         "nothing",
         T + "test_a_version_a_worker_refuses_is_reported_and_rewritten_by_the_trainer",
+    ),
+    Fault(
+        "a weight version the workers still need damaged while the trainer is down (deltas "
+        "on, full_every=4, max_staleness=1): bytes flipped in a delta, a delta deleted "
+        "mid-chain, bytes flipped in the chain's full snapshot, a truncated manifest",
+        "the worker refuses it, leaves a damage report in weights/refused/ and backs off; the "
+        "trainer republishes the version with its exact bits (from its checkpoint of that "
+        "step, an intact chain of older versions, or its parameters), moving the damaged "
+        "objects to weights/quarantine/",
+        "nothing: final weights and the repaired version bit-identical to an undamaged run",
+        H + "test_a_damaged_version_is_repaired_and_the_run_ends_bit_identical",
+    ),
+    Fault(
+        "a damaged delta whose version has no exact copy left (its checkpoint deleted)",
+        "the trainer stops with exit 4 and one line naming the version and what to restore",
+        "nothing published wrongly; no silent wait, no traceback",
+        H + "test_a_version_without_an_exact_copy_stops_the_run_with_one_line",
     ),
     Fault(
         "SIGKILL or SIGTERM of `rlax rollout`",

@@ -214,6 +214,23 @@ class TrainerCheckpoints:
             )
         return None
 
+    def steps(self) -> list[int]:
+        """The steps of the checkpoints Orbax holds (retention keeps the newest `keep`)."""
+        return sorted(self.manager.all_steps())
+
+    def restore_step(self, step: int, template: Any) -> tuple[Any, dict[str, Any]] | str:
+        """Checkpoint `step` as (tree, meta) if it is held and passes verification, else
+        why not (the trainer republishes a damaged weight version from it)."""
+        if step not in self.steps():
+            return f"no checkpoint of step {step} (held: {self.steps() or 'none'})"
+        why = verify_step(self.store, step)
+        if why is not None:
+            return f"the checkpoint of step {step} is refused: {why}"
+        try:
+            return self._restore(step, template)
+        except Exception as err:  # noqa: BLE001 - a checkpoint Orbax cannot read
+            return f"Orbax could not restore step {step} ({type(err).__name__}: {err})"
+
     def _restore(self, step: int, template: Any) -> tuple[Any, dict[str, Any]]:
         leaves, treedef = jax.tree.flatten(template)
         abstract = {f"{i:05d}": _abstract(x) for i, x in enumerate(leaves)}

@@ -8,7 +8,9 @@ for each of the batch's prompts with the pinned policy version
 (`pipeline.rollouts.required_version`), scores them with the task verifiers and commits
 the batch create-only. Sampling keys derive from (seed, batch index, prompt position,
 sample index) only, so whichever worker produces a batch, it is the same batch.
-A snapshot that fails its checksums is refused and the worker keeps its weights.
+A snapshot that fails its checksums is refused and the worker keeps its weights, leaves a
+damage report for the trainer (which republishes the version, docs/parameter-server.md,
+*Repairs*) and backs off until the report is cleared.
 Text is encoded with the run's tokenizer (`model.tokenizer`, `tpu_jobs.hf_tokenizer.run_tokenizer`);
 with `mesh.sampler` set, the worker samples on a mesh of all its devices (docs/scaling.md).
 
@@ -117,6 +119,11 @@ def pick_judged_by_problem(
 
 
 # rollout.judge_pick -> how the judged solutions are drawn from the round's samples.
+# Back-off of a worker that refused the version it needs (damaged or missing): 2 s, then
+# doubling, at most 60 s between pulls; the trainer repairs within a few seconds.
+REFUSAL_BACKOFF_S = 2.0
+REFUSAL_BACKOFF_CAP_S = 60.0
+
 JUDGE_PICKS = {"round": pick_judged_in_round, "problem": pick_judged_by_problem}
 
 
@@ -146,6 +153,8 @@ class RolloutWorker:
         # the deltas in between (pipeline/paramserver/).
         self.held: Snapshot | None = None
         self._stop = False
+        self._refused: int | None = None  # the version last refused, and how often in a row
+        self._refusals = 0
         self.batches_done = 0
         self.last_stats: dict[str, Any] = {}  # dynamic-sampling / judge stats of the last batch
 
@@ -159,13 +168,17 @@ class RolloutWorker:
         try:
             snap = self.ps.pull(version, have=held)
         except (CorruptSnapshotError, SnapshotNotFoundError) as err:
-            # Tell the trainer (it rewrites the version from its parameters) and wait.
+            # Tell the trainer (it republishes the version's exact bits) and back off.
             self.ps.report_refused(version, self.worker_id, str(err))
+            self._refusals = self._refusals + 1 if self._refused == version else 1
+            self._refused = version
             self.log(
                 f"[{self.worker_id}] refused v{version}: {err}; reported it to the trainer "
-                f"(weights/refused/), keeping v{self.version} and waiting"
+                f"(weights/refused/), keeping v{self.version} and waiting up to "
+                f"{self._backoff_s():.0f}s"
             )
             return False
+        self._refused, self._refusals = None, 0
         load_flat_params(self.model, snap.tensors)
         if self.mesh is not None:  # place the weights once, not per generate call
             meshlib.shard_model(self.model, self.mesh)
@@ -392,7 +405,7 @@ class RolloutWorker:
             t0 = time.time()
             if not self._ensure_version(version):
                 self.leases.release(lease)
-                time.sleep(1.0)
+                self._wait_for_repair(version)
                 continue
             batch = self.generate_batch(index, version)
             failpoints.hit("rollout.before_commit", index)
@@ -414,6 +427,23 @@ class RolloutWorker:
                 + ("" if committed else " (already committed by another worker; discarded)")
             )
         return self.batches_done
+
+    def _backoff_s(self) -> float:
+        """How long to wait after the latest refusal: doubling with each refusal of the
+        same version in a row, capped (a damaged version costs the store one small read
+        per poll, not a re-read of the whole chain every second)."""
+        return min(REFUSAL_BACKOFF_CAP_S, REFUSAL_BACKOFF_S * 2 ** (self._refusals - 1))
+
+    def _wait_for_repair(self, version: int) -> None:
+        """Back off after refusing ``version``, waking early once the trainer has acted on
+        the damage report (deleted it: the version was repaired) or the run is done."""
+        deadline = time.monotonic() + self._backoff_s()
+        while not self._stop and time.monotonic() < deadline:
+            time.sleep(self.cfg.rollout.poll_seconds)
+            if not self.ps.report_pending(version, self.worker_id):
+                return
+            if self.run.store.exists(DONE_KEY):
+                return
 
     def _record_attempt(self, batch: RolloutBatch, committed: bool, seconds: float) -> None:
         """One record per generated batch, so duplicated (wasted) work can be counted."""

@@ -13,7 +13,10 @@ batches live on a mesh of all the process's devices (`Learner`, docs/scaling.md)
 Step t reads batch t (so replay is deterministic), drops it if it is more than
 `max_staleness` versions old (or holds no group at all, see DAPO below), computes the
 loss, updates, publishes version t // publish_every when due and checkpoints every
-`checkpoint_every` steps and on SIGTERM.
+`checkpoint_every` steps and on SIGTERM. A version a rollout worker reports damaged (and
+still needs) is republished with its exact bits from the trainer's parameters, an intact
+chain in the store or the checkpoint of its step; where none has them the trainer stops
+with exit code 4 and one line (docs/parameter-server.md, *Repairs*).
 
 The objective is `losses.compute_loss` with the LossSpec of `trainer.algorithm` and the
 config's overrides (`TrainerConfig.loss_overrides`). `Learner` holds the math (train state,
@@ -80,7 +83,7 @@ from pipeline.paramserver import (
     StaleEpochError,
 )
 from pipeline.retention import apply_retention
-from pipeline.rollouts import RolloutBatch
+from pipeline.rollouts import RolloutBatch, required_version
 from pipeline.run import DONE_KEY, Run, base_server, weights_server
 from pipeline.storage import ObjectNotFound, StorageError
 from pipeline.tasks.base import REWARD_RANGE
@@ -110,7 +113,8 @@ sg = jax.lax.stop_gradient
 
 
 class IntegrityError(RuntimeError):
-    """Too many refused batches or non-finite steps in a row: the run cannot go on."""
+    """Too many refused batches or non-finite steps in a row, or a weight version the run
+    still needs is damaged and no exact copy of it is left: the run cannot go on."""
 
 
 class StepInputs(NamedTuple):
@@ -695,7 +699,6 @@ class Trainer:
         )
         self._stop = False
         self.epoch = -1
-        self._unrepairable: set[int] = set()
 
     # ----------------------------------------------------------- lifecycle
     def restore_or_init(self) -> TrainerState:
@@ -749,14 +752,22 @@ class Trainer:
         snap = self._published_snapshot(version, policy)
         base = self._delta_base(version) if pc.full_every > 1 and version > 0 else None
         full = base is None or version % pc.full_every == 0
-        wrote = self.ps.publish_snapshot(
-            snap,
-            epoch=epoch,
-            metadata={"step": state.step},
-            base=base,
-            full=full,
-            full_every=pc.full_every,
-        )
+        try:
+            wrote = self.ps.publish_snapshot(
+                snap,
+                epoch=epoch,
+                metadata={"step": state.step},
+                base=base,
+                full=full,
+                full_every=pc.full_every,
+            )
+            damage = None if wrote else self.ps.damage(version)
+        except CorruptSnapshotError as err:  # a committed manifest that is not readable
+            wrote, damage = False, str(err)
+        if damage is not None:
+            # A retry (a resume) found its version committed but damaged: it holds the
+            # very tensors, so it republishes them (the same bits) instead of waiting.
+            self._repair(snap, damage, "the trainer's parameters")
         # A retry of a committed version leaves its stored bits as the next base (pulled).
         self._published = snap if wrote and pc.full_every > 1 else None
         if wrote:
@@ -835,29 +846,102 @@ class Trainer:
         )
 
     def _heal(self, state: TrainerState) -> None:
-        """Act on the rollout workers' refusal markers (a version missing or failing
-        verification): the trainer's current version is rewritten from its parameters (the
-        same bits); an older one it cannot rebuild is named once, with what to do."""
-        current = state.step // self.cfg.trainer.publish_every
-        for version, reasons in sorted(self.ps.refused().items()):
-            if version == current:
-                self.ps.repair(
-                    self._published_snapshot(version, state.params["policy"]),
-                    epoch=self.epoch,
-                    metadata={"step": state.step},
-                    full_every=self.cfg.paramserver.full_every,
+        """Act on the rollout workers' damage reports (a version missing or failing
+        verification, `ParamServer.report_refused`). A version no pending batch or live
+        lease needs any more is let go; one the trainer has not reached yet is repaired when
+        it publishes it (`_publish`); any other is republished with its exact bits from the
+        first source that has them (`_exact_version`). Raises IntegrityError (exit 4, one
+        line) when none has."""
+        tc = self.cfg.trainer
+        reports = self.ps.refused()
+        if not reports:
+            return
+        current = state.step // tc.publish_every
+        oldest = required_version(state.next_batch, tc.publish_every, tc.max_staleness)
+        leased = {lease.version for lease in self.leases.live_leases()}
+        for version, reasons in sorted(reports.items()):
+            if version > current:
+                continue  # not reached yet: `_publish` verifies it then
+            if version < oldest and version not in leased:
+                self.ps.clear_reports(version)
+                self.log(f"[trainer] v{version} was reported damaged but is no longer needed")
+                continue
+            damage = self.ps.damage(version)
+            if damage is None:  # repaired meanwhile, or a passing fault of the reader
+                self.ps.clear_reports(version)
+                continue
+            source, snap = self._exact_version(version, state, damage)
+            self._repair(snap, f"a rollout worker refused it: {reasons[0]}", source)
+
+    def _exact_version(
+        self, version: int, state: TrainerState, damage: str
+    ) -> tuple[str, Snapshot]:
+        """(where from, the snapshot) of ``version`` with the bits it was published with:
+        the trainer's parameters when they are that version's; else any intact chain in
+        the store (`ParamServer.derive`); else the checkpoint of its step. IntegrityError,
+        naming the version and what to restore, when none has them."""
+        tc = self.cfg.trainer
+        # The parameters are the version's only at its own step (publish_every > 1).
+        if state.step == version * tc.publish_every:
+            return "the trainer's parameters", self._published_snapshot(
+                version, state.params["policy"]
+            )
+        derived = self.ps.derive(version)
+        if derived is not None:
+            return "an intact chain of older versions", self._own_copy(derived)
+        step = version * tc.publish_every
+        # Only process 0 heals, and a restore is a collective across a multi-host trainer.
+        restored = (
+            self.ckpt.restore_step(step, self._template)
+            if jax.process_count() == 1
+            else "a multi-host trainer does not restore single checkpoints to repair"
+        )
+        if not isinstance(restored, str):
+            (params, _), meta = restored
+            if meta.get("config_digest") in self.run.config_digests():
+                return f"the checkpoint of step {step}", self._published_snapshot(
+                    version, params["policy"]
                 )
-                self.log(
-                    f"[trainer] a rollout worker refused v{version} ({reasons[0]}); rewrote it "
-                    "from the trainer's parameters"
-                )
-            elif version not in self._unrepairable:
-                self._unrepairable.add(version)
-                self.log(
-                    f"[trainer] a rollout worker refused v{version} ({reasons[0]}), but the "
-                    f"trainer holds v{current} and cannot rebuild it: restore "
-                    f"{self.ps.store.url_of('weights/')} from a copy, or start a new run"
-                )
+            restored = f"the checkpoint of step {step} was written by another config"
+        weights = self.ps.store.url_of(f"weights/v{version:08d}/")
+        message = (
+            f"weight version v{version} is damaged ({damage}) and no exact copy is left "
+            f"({restored}; no intact chain of older versions; the trainer holds "
+            f"v{state.step // tc.publish_every}): restore {weights} (or the checkpoint of "
+            f"step {step} under {self.run.store.url_of('checkpoints/')}) from a copy and "
+            "restart the trainer, or start a new run"
+        )
+        raise IntegrityError(" ".join(message.split()))  # one line, whatever the reasons hold
+
+    def _own_copy(self, snap: Snapshot) -> Snapshot:
+        """A pulled snapshot re-cut as the trainer publishes (own host arrays)."""
+        pc = self.cfg.paramserver
+        tensors = {k: np.array(v, copy=True) for k, v in snap.tensors.items()}
+        parts = pc.parts(self.cfg.mesh.sampler)
+        split = meshlib.split_axes({k: v.shape for k, v in tensors.items()}, parts)
+        return Snapshot.of(snap.version, tensors, split, parts)
+
+    def _repair(self, snap: Snapshot, why: str, source: str) -> None:
+        """Republish ``snap`` (exact bits) over its damaged version (`ParamServer.repair`),
+        with a delta against the version before when that one still pulls."""
+        version, pc = snap.version, self.cfg.paramserver
+        base = None
+        if pc.full_every > 1 and version > 0:
+            derived = self.ps.derive(version - 1)
+            base = None if derived is None else self._own_copy(derived)
+        moved = self.ps.repair(
+            snap,
+            epoch=self.epoch,
+            base=base,
+            metadata={"step": version * self.cfg.trainer.publish_every, "repaired": why},
+            full_every=pc.full_every,
+        )
+        if self._published is not None and self._published.version == version:
+            self._published = snap
+        self.log(
+            f"[trainer] v{version} was damaged ({why}); republished it from {source} "
+            f"(same bits; the damaged objects are in {moved})"
+        )
 
     def _next_batch(self, state: TrainerState) -> tuple[RolloutBatch | str, bytes] | None:
         """(the batch or "empty" for an allowed batch without rows, its bytes), or None when

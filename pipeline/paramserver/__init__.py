@@ -13,6 +13,9 @@ Layout under the run's store (``weights/``):
   still read).
 * ``LATEST``: ``{"version", "epoch"}``, moved by CAS, forward only.
 * ``EPOCH``: the trainer fencing token, incremented by CAS in ``acquire_epoch``.
+* ``refused/v{version:08d}-{reader}.json``: a reader's damage report (create-only);
+  ``quarantine/v{version:08d}-{stamp}/``: the objects a repair replaced (``repair``,
+  docs/parameter-server.md, *Repairs*).
 
 A version holds a *full* snapshot, a *delta* against version ``base`` (= version - 1: the XOR
 of bit patterns, zstd-compressed), or both. Its manifest names ``anchor``, the nearest full

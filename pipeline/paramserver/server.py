@@ -25,6 +25,7 @@ from pipeline.paramserver.manifest import (
     LATEST,
     MANIFEST_RE,
     MAX_VERSION,
+    QUARANTINE,
     REFUSED,
     VERSION_DIR_RE,
     dumps,
@@ -388,13 +389,24 @@ class ParamServer:
 
     def report_refused(self, version: int, reader: str, reason: str) -> None:
         """A reader (a rollout worker) could not use ``version`` (missing or failing
-        verification): leave a marker the trainer acts on (`refused`, `repair`)."""
+        verification): leave a damage report the trainer acts on (`refused`, `repair`).
+        Create-only, one per reader and version: a reader that fails again while its report
+        is pending writes nothing new."""
         record = {"version": version, "reader": reader, "reason": reason, "time": time.time()}
-        key = f"{REFUSED}/{version_dir(version)}-{safe_name(reader, 'reader')[:100]}.json"
-        self._w.write_new(key, dumps(record))
+        self._w.write_new(self._report_key(version, reader), dumps(record))
+
+    def report_pending(self, version: int, reader: str) -> bool:
+        """Whether ``reader``'s damage report of ``version`` is still there (the trainer
+        deletes it once it has repaired the version): a cheap check a waiting reader polls
+        instead of pulling the version again."""
+        return self._w.exists(self._report_key(version, reader))
+
+    @staticmethod
+    def _report_key(version: int, reader: str) -> str:
+        return f"{REFUSED}/{version_dir(version)}-{safe_name(reader, 'reader')[:100]}.json"
 
     def refused(self) -> dict[int, list[str]]:
-        """{version: [reasons]} of the refusal markers."""
+        """{version: [reasons]} of the damage reports."""
         out: dict[int, list[str]] = {}
         for key in self._w.list(f"{REFUSED}/"):
             try:
@@ -404,29 +416,87 @@ class ParamServer:
                 continue
         return out
 
+    def clear_reports(self, version: int) -> None:
+        """Delete the damage reports of ``version`` (repaired, or no longer needed)."""
+        for key in self._w.list(f"{REFUSED}/{version_dir(version)}-"):
+            self._w.delete(key)
+
+    def damage(self, version: int) -> str | None:
+        """Why ``version`` cannot be pulled (rebuilt from its anchor and verified), or None
+        if it can."""
+        try:
+            self.pull(version)
+        except (CorruptSnapshotError, SnapshotNotFoundError) as err:
+            return str(err)
+        return None
+
+    def derive(self, version: int) -> Snapshot | None:
+        """``version``'s exact tensors from the store by any intact chain, or None.
+
+        ``pull`` follows one chain (the anchor's full snapshot and the deltas after it). A
+        version stored with a delta has another: the newest older version that still pulls,
+        then each delta up to ``version`` (a full snapshot at multiples of ``full_every``
+        also holds a delta against the version before, so its full objects can be rebuilt
+        from the previous anchor's). Every piece is verified against the CRC-32C its
+        manifest recorded when the version was published, so what comes back has the bits
+        the trainer published."""
+        try:
+            return self.pull(version)
+        except (CorruptSnapshotError, SnapshotNotFoundError):
+            pass
+        committed = [v for v in self.versions() if v < version]
+        for start in reversed(committed):
+            try:
+                held = self.pull(start)
+                for v in range(start + 1, version + 1):  # each delta, no other fallback
+                    held = self._rebuild(v, read_normalized(self._w, v), held, None)
+            except (CorruptSnapshotError, SnapshotNotFoundError):
+                continue
+            return held
+        return None
+
     def repair(
         self,
         snapshot: Snapshot,
         *,
         epoch: int,
+        base: Snapshot | None = None,
         metadata: dict[str, Any] | None = None,
         full_every: int = 1,
-    ) -> None:
-        """Rewrite ``snapshot``'s version from it (the very tensors it was published from,
-        cut the same way: only the trainer holding them may call this) as a full snapshot,
-        and clear its refusal markers. The manifest is deleted first, so no reader ever sees
-        a mix of old and new shards. Rewritten with the same bits, the version stays a valid
-        base for later deltas."""
+    ) -> str:
+        """Republish ``snapshot``'s version from it: tensors with the very bits the version
+        was published with (the trainer's parameters of that version, its checkpoint, or
+        ``derive``), as a full snapshot, plus a delta against ``base`` (the previous
+        version, complete) when given, so that chains of later versions through this one
+        stay intact. Returns the URL of the quarantine prefix the replaced objects went to.
+
+        Committed objects are never overwritten: the damaged ones (manifest first, so no
+        reader ever sees a mix of old and new shards) are copied create-only to
+        ``quarantine/v{version:08d}-{stamp}/`` and then deleted; the new ones are written
+        create-only under a new attempt id and committed by a create-only manifest, as any
+        publish. The version's damage reports are deleted last."""
         version = snapshot.version
         self._check_epoch(epoch)
-        self._w.delete(manifest_key(version))
-        for key in self._w.list(f"{version_dir(version)}/"):
+        moved = f"{QUARANTINE}/{version_dir(version)}-{time.strftime('%Y%m%dT%H%M%S')}"
+        moved += f"-{uuid.uuid4().hex[:6]}"
+        keys = self._w.list(f"{version_dir(version)}/")
+        first = [k for k in keys if k == manifest_key(version)]
+        for key in first + [k for k in keys if k not in first]:
+            try:
+                self._w.write_new(f"{moved}/{key.split('/', 1)[1]}", self._w.read(key))
+            except ObjectNotFound:
+                continue  # deleted meanwhile (a concurrent retention)
             self._w.delete(key)
         self.publish_snapshot(
-            snapshot, epoch=epoch, metadata=metadata, full=True, full_every=full_every
+            snapshot,
+            epoch=epoch,
+            metadata=metadata,
+            base=base,
+            full=True,
+            full_every=full_every,
         )
-        for key in self._w.list(f"{REFUSED}/{version_dir(version)}-"):
-            self._w.delete(key)
+        self.clear_reports(version)
+        return self._w.url_of(moved)
 
     def gc(self, keep_last: int, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """Delete committed versions except the newest ``keep_last``, LATEST and ``protected``,

@@ -319,3 +319,61 @@ def test_memory_of_a_rebuilt_version_is_reused_only_once_no_array_uses_it(ps) ->
         held = ps.pull(v, have=held)
         _assert_exact(held.tensors, _version(v))
     assert kept.tobytes() == _version(1)["w"][2:].tobytes()
+
+
+# --------------------------------------------------------------------------------------
+# Repairs (issue 35): derive a damaged version from another chain, republish it create-only
+# --------------------------------------------------------------------------------------
+
+
+def _shards(ps: ParamServer, version: int, kind: str) -> list[str]:
+    return [k for k in ps._w.list(f"v{version:08d}/") if k.split("/")[1].startswith(kind)]
+
+
+def test_a_flipped_full_snapshot_is_derived_from_the_previous_chain_and_repaired(ps) -> None:
+    """v4's full snapshot (the anchor of v5) flipped: v4 and v5 refuse; `derive` rebuilds
+    v4 from v0's chain and v4's delta with its published bits; `repair` moves the damaged
+    objects to quarantine/ and republishes full + delta, after which v4 and v5 pull (v5
+    from scratch through v4) bit for bit."""
+    _publish_chain(ps, range(6), full_every=4)
+    full = _shards(ps, 4, "full")
+    _flip_byte(ps._w, full[0], 3)
+    assert "failed verification" in ps.damage(4) and ps.damage(5) is not None
+    derived = ps.derive(4)
+    assert derived is not None
+    _assert_exact(derived.tensors, _version(4))
+    ps.report_refused(4, "w0", "flipped")
+    assert ps.report_pending(4, "w0") and not ps.report_pending(4, "w1")
+    base = ps.derive(3)
+    damaged = sorted(ps._w.list("v00000004/"))
+    moved = ps.repair(
+        Snapshot.of(4, _version(4)), epoch=ps.current_epoch(), base=base, full_every=4
+    )
+    assert moved.startswith(ps._w.url_of("quarantine/v00000004-"))
+    prefix = "quarantine/" + moved.rsplit("/", 1)[1]
+    assert sorted(k.split("/", 2)[2] for k in ps._w.list(f"{prefix}/")) == sorted(
+        k.split("/", 1)[1] for k in damaged
+    )
+    # A new attempt writes new shard objects; the manifest key is the commit marker's.
+    assert set(ps._w.list("v00000004/")) & set(damaged) == {"v00000004/manifest.json"}
+    assert ps.refused() == {} and not ps.report_pending(4, "w0")
+    manifest = ps.manifest(4)
+    assert "full" in manifest and "delta" in manifest and manifest["base"] == 3
+    for v in (4, 5):
+        assert ps.damage(v) is None
+        _assert_exact(ps.pull(v).tensors, _version(v))
+    assert ps.versions() == list(range(6))  # quarantine/ is not a version
+
+
+def test_a_delta_only_version_whose_delta_is_gone_cannot_be_derived(ps) -> None:
+    """v5 is stored only as a delta: with its delta deleted no chain holds its bits (the
+    trainer needs its checkpoint then); v6's chain has a hole, but v6 is derived from
+    nothing either (its own delta needs v5)."""
+    _publish_chain(ps, range(7), full_every=4)
+    for key in _shards(ps, 5, "delta"):
+        ps._w.delete(key)
+    assert "missing" in ps.damage(5)
+    assert ps.derive(5) is None and ps.derive(6) is None
+    _assert_exact(ps.derive(4).tensors, _version(4))
+    ps.repair(Snapshot.of(5, _version(5)), epoch=ps.current_epoch(), base=ps.derive(4))
+    _assert_exact(ps.pull(6).tensors, _version(6))  # v6's chain from v4 is whole again

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -682,8 +683,20 @@ def test_a_version_a_worker_refuses_is_reported_and_rewritten_by_the_trainer(
     monkeypatch.setattr(worker, "version", None)
     assert not worker._ensure_version(0)
     assert list(ParamServer(run.store).refused()) == [0]
+    # Backing off: 2 s, doubling with each refusal of the same version, at most 60 s.
+    waits = [worker._backoff_s()]
+    for _ in range(6):
+        assert not worker._ensure_version(0)
+        waits.append(worker._backoff_s())
+    assert waits == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+    assert worker.ps.report_pending(0, worker.worker_id)
     trainer._heal(state)
-    assert "a rollout worker refused v0" in lines[-1] and "rewrote it" in lines[-1]
+    assert not worker.ps.report_pending(0, worker.worker_id)
+    t0 = time.monotonic()
+    worker._wait_for_repair(0)  # the report is gone: back at once, not after 60 s
+    assert time.monotonic() - t0 < 10 * worker.cfg.rollout.poll_seconds + 1.0
+    assert "a rollout worker refused it" in lines[-1]
+    assert "republished it from the trainer's parameters" in lines[-1]
     assert ParamServer(run.store).refused() == {}
     assert worker._ensure_version(0)
     healed = ParamServer(run.store).pull(0).tensors
