@@ -80,7 +80,7 @@ from pipeline.paramserver import (
     StaleEpochError,
 )
 from pipeline.retention import apply_retention
-from pipeline.rollouts import RolloutBatch
+from pipeline.rollouts import RolloutBatch, required_version
 from pipeline.run import DONE_KEY, Run, base_server, weights_server
 from pipeline.storage import ObjectNotFound, StorageError
 from pipeline.tasks.base import REWARD_RANGE
@@ -829,7 +829,7 @@ class Trainer:
             vocab_size=cfg.model.vocab_size,
             max_prompt_tokens=self.prompt_len,
             max_completion_tokens=self.learner.completion_len,
-            newest_version=state.step // tc.publish_every,
+            policy_version=required_version(state.next_batch, tc.publish_every, tc.max_staleness),
             reward_range=(lo, hi),
             allow_empty=tc.uses_dynamic_sampling(),
         )
