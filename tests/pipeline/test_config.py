@@ -317,7 +317,7 @@ def test_a_yaml_bool_is_not_an_integer(tmp_path):
         load_config(path)
 
 
-def test_an_init_whose_prompts_leave_no_room_for_the_completion_leaves_nothing(tmp_path):
+def test_init_refuses_prompts_that_leave_no_room_for_the_completion(tmp_path):
     """The cross-field rule that needs the data: longest prompt + max_new_tokens <=
     model.max_seq_len, checked after generation and before anything is written."""
     from pipeline.cli import main

@@ -98,7 +98,7 @@ def made_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_bad_arguments_are_refused_in_one_line(case, made_run, tmp_path, capsys, monkeypatch):
+def test_refused_in_one_line_bad_arguments(case, made_run, tmp_path, capsys, monkeypatch):
     from pipeline.cli import main
 
     # '.' and '..' name directories that exist: here both inside tmp_path.
@@ -117,7 +117,7 @@ def test_bad_arguments_are_refused_in_one_line(case, made_run, tmp_path, capsys,
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["cwd", "parent"]  # nothing written
 
 
-def test_train_without_a_base_model_is_one_line_before_the_trainer_starts(made_run):
+def test_refused_in_one_line_train_without_a_base_model_before_the_trainer_starts(made_run):
     out = subprocess.run(
         [RLAX, "train", "--run", made_run["run"]], capture_output=True, text=True, timeout=120
     )
@@ -128,7 +128,7 @@ def test_train_without_a_base_model_is_one_line_before_the_trainer_starts(made_r
     assert not Path(made_run["run"], "weights").exists()
 
 
-def test_a_bad_run_url_is_one_line_from_the_command(tmp_path):
+def test_refused_in_one_line_a_bad_run_url_from_the_command(tmp_path):
     out = subprocess.run(
         [RLAX, "init", "--run", "gs://b/../x"], capture_output=True, text=True, cwd=tmp_path
     )
