@@ -43,7 +43,15 @@ FAULTS = [
         T + "test_poisoned_batches_are_quarantined_and_the_run_goes_on",
     ),
     Fault(
-        "batch_index not its object name, a future or mixed policy_version, log-probs of the "
+        "a batch from a published version other than the one its index is pinned to "
+        "(batch 2 from v0 where required_version is 2)",
+        "refused by rule (policy_version must equal required_version(i)), quarantined, "
+        "produced again; was accepted by the range check and dropped as stale",
+        "nothing; final weights bit-identical to a clean run's",
+        T + "test_a_batch_of_the_wrong_version_is_quarantined_and_the_run_ends_bit_identical",
+    ),
+    Fault(
+        "batch_index not its object name, a future, older or mixed policy_version, log-probs of the "
         "wrong length, NaN or positive, a too-long completion, groups out of order, an "
         "unknown kind, a column of the wrong type, garbage bytes, a 0-row batch, too many rows",
         "refused with the column and row named",
@@ -140,6 +148,31 @@ FAULTS = [
         "one-line config error; config.json removed, so the retry with a fixed config works",
         "nothing",
         C + "test_config.py::test_a_failed_init_leaves_nothing_behind",
+    ),
+    Fault(
+        "config values that passed and crashed later: model.hidden_size=1e8, task.num_train=1e9, "
+        "sampler.max_new_tokens >= model.max_seq_len, eval.ks=[], workers=100000, "
+        "`steps: true`",
+        "refused at load, naming the field and what is allowed (ceilings: "
+        "pipeline.config.MODEL_CEILINGS)",
+        "nothing written",
+        C + "test_config.py::test_invalid_values_name_field_and_allowed",
+    ),
+    Fault(
+        "a prompt + max_new_tokens longer than model.max_seq_len; an init interrupted "
+        "after writing data (another config's)",
+        "refused after generation, before anything is written; config.json is written last, "
+        "so the corrected retry works and replaces the leftover data",
+        "nothing",
+        C + "test_config.py::test_init_",
+    ),
+    Fault(
+        "--run gs://b/../x, s3://..., '', file://relative/x, '.', '..'; --logdir under a file; "
+        "chaos --kills -3, --workers 0; those config values on the command line; rlax train "
+        "without a base model",
+        "one line naming the argument and what is allowed, exit 2; nothing written, no epoch taken",
+        "nothing",
+        C + "test_entrypoint.py::test_refused_in_one_line",
     ),
     Fault(
         "bad YAML; unreachable storage",

@@ -41,7 +41,9 @@ class BatchLimits:
     vocab_size: int
     max_prompt_tokens: int
     max_completion_tokens: int
-    newest_version: int  # the newest policy version published so far
+    # pipeline.rollouts.required_version(index, ...): the one version a worker makes this
+    # batch from. Any other value, even a published one, is a batch nobody honest wrote.
+    policy_version: int
     reward_range: tuple[float, float]
     allow_empty: bool  # dynamic sampling may commit a batch without any group
 
@@ -112,9 +114,10 @@ def check_rows(table: pa.Table, lim: BatchLimits) -> None:
     if index != lim.index:
         raise BadBatchError(f"batch_index column is {index}, but the object is batch {lim.index}")
     version = _one_value(table, "policy_version")
-    if not 0 <= int(version) <= lim.newest_version:
+    if int(version) != lim.policy_version:
         raise BadBatchError(
-            f"policy_version {version} was never published (published: 0..{lim.newest_version})"
+            f"policy_version is {version}; batch {lim.index} is made from version "
+            f"{lim.policy_version} only (pipeline.rollouts.required_version)"
         )
     _one_value(table, "worker_id")
     if n % g or n > lim.max_rows:

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from pipeline import launcher
-from pipeline.config import RunConfig
+from pipeline.config import MAX_WORKERS, RunConfig
+from pipeline.errors import ArgumentError, check
 from pipeline.paramserver import ParamServer
 from pipeline.run import BASE_PREFIX, CHECKPOINT_MANIFESTS, DATA_PREFIX, DONE_KEY, Run
 
@@ -40,6 +41,22 @@ class ChaosSettings:
     workers: int = 2
     seed: int = 0
     timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        # Named as `rlax chaos` spells them: that is where a bad value comes from.
+        for flag, value, ok, allowed in (
+            ("--kills", self.kills, self.kills >= 1, ">= 1 (a run without kills proves nothing)"),
+            ("--workers", self.workers, 1 <= self.workers <= MAX_WORKERS, f"1..{MAX_WORKERS}"),
+            ("--seed", self.seed, self.seed >= 0, ">= 0"),
+            ("--min-interval", self.min_interval_s, self.min_interval_s >= 0, ">= 0 seconds"),
+            (
+                "--max-interval",
+                self.max_interval_s,
+                self.max_interval_s >= self.min_interval_s,
+                f">= --min-interval ({self.min_interval_s})",
+            ),
+        ):
+            check(ok, flag, value, allowed, error=ArgumentError)
 
 
 @dataclass

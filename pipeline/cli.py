@@ -39,6 +39,7 @@ from pathlib import Path
 from pipeline import launcher
 from pipeline.config import load_config
 from pipeline.entrypoint import DEBUG_ENV, run_main
+from pipeline.errors import ArgumentError
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 DEFAULT_CHAOS_CONFIG = DEFAULT_CONFIG.parent / "chaos.yaml"
@@ -81,11 +82,9 @@ def cmd_airflow(args: argparse.Namespace) -> int:
 
 
 def cmd_init(args: argparse.Namespace) -> int:
-    from pipeline.problem_sets import write_data
-    from pipeline.run import Run
+    from pipeline.problem_sets import init_run
 
-    run = Run.create(args.run, _config(args))
-    n_train, n_eval = write_data(run)
+    run, n_train, n_eval = init_run(args.run, _config(args))
     print(f"run {run.url}: {n_train} training and {n_eval} held-out problems")
     return 0
 
@@ -186,6 +185,7 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
     if logdir is None:
         print(f"rlax: run {run.url} is not local: pass --logdir DIR", file=sys.stderr)
         return 2
+    _writable_dir("--logdir", logdir)
     export(run, logdir, follow=args.follow, log=lambda m: print(m, flush=True))
     return 0
 
@@ -202,6 +202,21 @@ def cmd_track(args: argparse.Namespace) -> int:
     summary = ", ".join(f"{name} {n}" for name, n in logged.items()) or "no backend"
     print(f"[tracking] records logged: {summary}", flush=True)
     return 0
+
+
+def _writable_dir(flag: str, path: str | os.PathLike[str]) -> None:
+    """Create directory `path` if needed; raise ArgumentError (one line) unless this user
+    can write there, before a job starts and fails on it halfway."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        probe = Path(path) / f".rlax-probe-{os.getpid()}"
+        probe.touch()  # os.access says yes to root even on a read-only mount
+        probe.unlink()
+    except OSError as err:
+        raise ArgumentError(
+            f"{flag}={os.fspath(path)!r} is invalid ({err.strerror}); allowed: a directory "
+            "this user can create and write"
+        ) from None
 
 
 def _job(role: str):

@@ -46,6 +46,27 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# Ceilings on sizes (docs/security.md, "Inputs"). The model's are a little above the
+# largest open models of the family (Llama 3.1 405B: hidden 16384, 126 layers, 128 heads,
+# intermediate 53248; vocabularies to 256k, contexts to 128k): a value above one is a typo
+# (1e8 for 1e3) that would otherwise surface as an out-of-memory traceback in the first job
+# that builds the model. Synthetic problem sets are generated at a few thousand problems a
+# second on one core, so a million takes minutes: larger sets come from curation
+# (beam_jobs). Worker processes: what one run fans out to.
+MODEL_CEILINGS: dict[str, int] = {
+    "vocab_size": 1 << 20,
+    "hidden_size": 32768,
+    "num_layers": 512,
+    "num_heads": 1024,
+    "num_kv_heads": 1024,
+    "head_dim": 1024,
+    "intermediate_size": 131072,
+    "max_seq_len": 1 << 20,
+}
+MAX_PROBLEMS = 1_000_000  # task.num_train, task.num_eval
+MAX_WORKERS = 1024  # workers
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer of the Llama/Qwen2 family."""
@@ -104,17 +125,14 @@ class ModelConfig:
                 object.__setattr__(self, key, value)
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate_size",
-            "max_seq_len",
-        ):
-            _check(getattr(self, name) > 0, f"model.{name}", getattr(self, name), "> 0")
+        for name, ceiling in MODEL_CEILINGS.items():
+            value = getattr(self, name)
+            _check(
+                0 < value <= ceiling,
+                f"model.{name}",
+                value,
+                f"1..{ceiling} (the ceiling: pipeline.config.MODEL_CEILINGS)",
+            )
         _check(self.rope_theta > 0, "model.rope_theta", self.rope_theta, "> 0")
         _check(0 < self.rms_norm_eps < 1, "model.rms_norm_eps", self.rms_norm_eps, "(0, 1)")
         _one_of("model.tokenizer", self.tokenizer, TOKENIZER_NAMES)
@@ -175,8 +193,15 @@ class _TaskMix:
             f"{len(self.families)} positive numbers, one per family",
         )
         _check(self.seed >= 0, "task.seed", self.seed, ">= 0")
-        _check(self.num_train > 0, "task.num_train", self.num_train, "> 0")
-        _check(self.num_eval > 0, "task.num_eval", self.num_eval, "> 0")
+        for name in ("num_train", "num_eval"):
+            value = getattr(self, name)
+            _check(
+                0 < value <= MAX_PROBLEMS,
+                f"task.{name}",
+                value,
+                f"1..{MAX_PROBLEMS} (generated at a few thousand a second; larger sets "
+                "come from curation)",
+            )
 
     def options_for(self, family: str) -> Any:
         """The `task.<family>` options of a synthetic family (its `Options` dataclass)."""
@@ -625,10 +650,10 @@ class EvalConfig:
         _check(self.orm_lr > 0, "eval.orm_lr", self.orm_lr, "> 0")
         _check(0 < self.orm_holdout < 1, "eval.orm_holdout", self.orm_holdout, "(0, 1)")
         _check(
-            all(1 <= k <= self.num_samples for k in self.ks),
+            len(self.ks) > 0 and all(1 <= k <= self.num_samples for k in self.ks),
             "eval.ks",
             self.ks,
-            f"integers in [1, num_samples={self.num_samples}]",
+            f"a non-empty list of integers in [1, num_samples={self.num_samples}]",
         )
 
 
@@ -854,8 +879,22 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _check(self.seed >= 0, "seed", self.seed, ">= 0")
-        _check(self.workers >= 1, "workers", self.workers, ">= 1")
+        _check(
+            1 <= self.workers <= MAX_WORKERS,
+            "workers",
+            self.workers,
+            f"1..{MAX_WORKERS} rollout worker processes",
+        )
         env = self.environment
+        # A row is prompt + completion within the model's positions (the engine's KV rows,
+        # vLLM's --max-model-len); the prompt is at least BOS. The longest prompt of the
+        # data is checked when the data is generated (pipeline.problem_sets.write_data).
+        _check(
+            env.multi_turn or self.sampler.max_new_tokens < self.model.max_seq_len,
+            "sampler.max_new_tokens",
+            self.sampler.max_new_tokens,
+            f"< model.max_seq_len={self.model.max_seq_len} (the prompt needs room too)",
+        )
         _check(
             not env.multi_turn or env.max_episode_tokens < self.model.max_seq_len,
             "environment.max_episode_tokens",
@@ -1007,6 +1046,9 @@ def legacy_digest(stored: Mapping[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number"}
+
+
 def _coerce(value: Any, tp: Any, name: str) -> Any:
     """Convert a YAML/CLI value to the annotated type, or raise ConfigError."""
     origin = typing.get_origin(tp)
@@ -1025,6 +1067,11 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         return tuple(_coerce(v, item_tp, name) for v in value)
     if origin in (typing.Union, types.UnionType):
         return value
+    if tp in (int, float) and isinstance(value, bool):
+        # YAML's `steps: true` is a bool, and int(True) == 1: a typo, not a number.
+        raise ConfigError(
+            f"{name}={value!r} is invalid; allowed: {_TYPE_WORDS[tp]}, not true or false"
+        )
     try:
         if tp is bool:
             if isinstance(value, str):

@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 import yaml
 
 from pipeline.config import ConfigError
+from pipeline.errors import ArgumentError
 from pipeline.sandbox import SandboxError
-from pipeline.storage import ObjectNotFound, StorageError
+from pipeline.storage import ObjectNotFound, StorageError, StorageUrlError
 
 DEBUG_ENV = "RLAX_DEBUG"
 
@@ -38,8 +39,12 @@ def describe(err: BaseException) -> str | None:
     """One line for an expected error; None for a bug (it keeps its traceback)."""
     from pipeline.run import RunError
 
+    if isinstance(err, ArgumentError):
+        return f"bad argument: {err}"
     if isinstance(err, ConfigError):
         return f"config error: {err}"
+    if isinstance(err, StorageUrlError):
+        return f"bad storage URL: {err}"
     if isinstance(err, RunError):
         return str(err)
     if isinstance(err, SandboxError):  # names the sandbox or service, and what to do

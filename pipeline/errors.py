@@ -15,10 +15,16 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
 
 
-def check(cond: bool, name: str, value: Any, allowed: str) -> None:
-    """Raise ConfigError "{name}={value!r} is invalid; allowed: {allowed}" unless `cond`."""
+class ArgumentError(ConfigError):
+    """A command-line argument (not a config field) is out of range or unusable."""
+
+
+def check(
+    cond: bool, name: str, value: Any, allowed: str, error: type[ConfigError] = ConfigError
+) -> None:
+    """Raise `error` "{name}={value!r} is invalid; allowed: {allowed}" unless `cond`."""
     if not cond:
-        raise ConfigError(f"{name}={value!r} is invalid; allowed: {allowed}")
+        raise error(f"{name}={value!r} is invalid; allowed: {allowed}")
 
 
 def one_of_text(choices: Iterable[str]) -> str:

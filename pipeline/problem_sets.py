@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, RunConfig
 from pipeline.layout import CURATED_PREFIX
 from pipeline.parquet_bytes import table_from_bytes
-from pipeline.run import CONFIG_KEY, Run
+from pipeline.run import CONFIG_KEY, DATA_PREFIX, Run, check_run_url
+from pipeline.storage import open_store
 from pipeline.tasks import get_task
 from pipeline.tasks.base import Problem
 from pipeline.tokenizer import TOKENIZERS, Tokenizer, get_tokenizer, unrepresentable
@@ -29,15 +30,65 @@ def write_data(run: Run) -> tuple[int, int]:
     try:
         train, held_out = build_splits(run.config.task)
     except ValueError as err:  # a task option its family cannot generate
-        if run.store.list("") == [CONFIG_KEY]:  # just created: leave nothing behind
-            run.store.delete(CONFIG_KEY)
+        _forget_new_run(run)
         raise ConfigError(f"{err}; run {run.url} was not created") from None
     name = run.config.model.tokenizer
-    if name in TOKENIZERS:
-        check_representable([*train, *held_out], get_tokenizer(name), name, "generated problems")
+    if name in TOKENIZERS:  # an imported (hf) tokenizer is checked by `rlax import-hf`
+        tok = get_tokenizer(name)
+        try:
+            check_representable([*train, *held_out], tok, name, "generated problems")
+            check_fits([*train, *held_out], tok, run.config)
+        except ValueError as err:
+            _forget_new_run(run)
+            raise ConfigError(f"{err}; run {run.url} was not created") from None
     run.write_problems("eval", held_out)
     run.write_problems("train", train)
     return len(train), len(held_out)
+
+
+def _forget_new_run(run: Run) -> None:
+    """Delete the config.json of a run that holds nothing else (just created by a caller
+    that wrote it first), so a retry with a fixed config is not "a different config"."""
+    if run.store.list("") == [CONFIG_KEY]:
+        run.store.delete(CONFIG_KEY)
+
+
+def init_run(url: str, config: RunConfig) -> tuple[Run, int, int]:
+    """Create run `url` with its generated data: (run, train problems, held-out problems).
+
+    config.json is written last, so an init that fails or is interrupted while the data
+    is generated leaves no run behind, and its retry (with a fixed config) starts afresh.
+    A run that exists already is reopened as `Run.create` does (same config) and its
+    missing data generated."""
+    check_run_url(url)
+    store = open_store(url)
+    if store.exists(CONFIG_KEY):
+        run = Run.create(url, config)
+        return (run, *write_data(run))
+    for key in store.list(f"{DATA_PREFIX}/"):  # an interrupted init's, of any config
+        store.delete(key)
+    n_train, n_eval = write_data(Run(url=url, store=store, config=config))
+    return Run.create(url, config), n_train, n_eval
+
+
+def check_fits(problems: Sequence[Problem], tok: Tokenizer, config: RunConfig) -> None:
+    """Refuse problems whose prompt plus the longest completion (`completion_tokens`) does
+    not fit in model.max_seq_len: the samplers hold a row in max_seq_len positions."""
+    lengths = [len(tok.encode_prompt(p.prompt)) for p in problems]
+    longest = max(range(len(problems)), key=lengths.__getitem__)
+    n = lengths[longest]
+    budget = config.completion_tokens()
+    limit = config.model.max_seq_len
+    if n + budget > limit:
+        field = (
+            "environment.max_episode_tokens"
+            if config.environment.multi_turn
+            else ("sampler.max_new_tokens")
+        )
+        raise ConfigError(
+            f"{field}={budget} is invalid; allowed: <= {limit - n} = model.max_seq_len={limit} "
+            f"- {n}, the longest prompt's tokens (problem {problems[longest].problem_id!r})"
+        )
 
 
 def read_curated(store, split: str) -> list[Problem]:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -35,7 +37,7 @@ from pipeline.layout import (  # noqa: F401 - the layout, re-exported
     SPLITS,
 )
 from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
-from pipeline.storage import ObjectNotFound, ObjectStore, open_store
+from pipeline.storage import ObjectNotFound, ObjectStore, local_path, open_store
 from pipeline.tasks.base import Problem
 
 if TYPE_CHECKING:
@@ -76,6 +78,18 @@ class RunError(RuntimeError):
     """The run directory is missing, incomplete or belongs to another config."""
 
 
+def check_run_url(url: str) -> None:
+    """Refuse a local run URL that names no directory of its own ('.', '..', 'runs/..',
+    '/'): the run's keys would land among the files of the current or a parent directory.
+    (A bucket prefix with '.' or '..' segments is refused by `split_url`.)"""
+    path = local_path(url)
+    if path is not None and PurePosixPath(os.fspath(path)).name in ("", ".", ".."):
+        raise RunError(
+            f"--run {url!r} names an existing directory ('.', '..' or '/'), not a run's own; "
+            "allowed: a new directory for the run, e.g. runs/my-run"
+        )
+
+
 @dataclass
 class Run:
     url: str
@@ -85,6 +99,7 @@ class Run:
     @classmethod
     def create(cls, url: str, config: RunConfig) -> Run:
         """Create the run, or reopen it if it exists with the same config (a retry)."""
+        check_run_url(url)
         store = open_store(url)
         blob = json.dumps(config.to_dict(), indent=2, sort_keys=True).encode()
         if not store.write_new(CONFIG_KEY, blob):

@@ -84,7 +84,7 @@ from pipeline.paramserver import (
 )
 from pipeline.retention import apply_retention
 from pipeline.rollouts import RolloutBatch, required_version
-from pipeline.run import DONE_KEY, Run, base_server, weights_server
+from pipeline.run import CHECKPOINTS_PREFIX, DONE_KEY, Run, RunError, base_server, weights_server
 from pipeline.storage import ObjectNotFound, StorageError
 from pipeline.tasks.base import REWARD_RANGE
 from pipeline.tokenizer import Tokenizer, get_tokenizer
@@ -725,10 +725,7 @@ class Trainer:
             )
         base = base_server(self.run)
         if base.latest_version() is None:
-            raise RuntimeError(
-                f"run {self.run.url} has no base model and no checkpoint; run the SFT "
-                f"bootstrap first: `rlax sft --run {self.run.url}`"
-            )
+            raise RunError(_no_start_message(self.run))
         params, opt_state = self.learner.init_state(self._base_params())
         self.log(f"[trainer] starting from the base model ({base.store.url})")
         return TrainerState(params, opt_state)
@@ -840,7 +837,7 @@ class Trainer:
             vocab_size=cfg.model.vocab_size,
             max_prompt_tokens=self.prompt_len,
             max_completion_tokens=self.learner.completion_len,
-            newest_version=state.step // tc.publish_every,
+            policy_version=required_version(state.next_batch, tc.publish_every, tc.max_staleness),
             reward_range=(lo, hi),
             allow_empty=tc.uses_dynamic_sampling(),
         )
@@ -1169,11 +1166,21 @@ class Trainer:
         }
 
 
+def _no_start_message(run: Run) -> str:
+    return (
+        f"run {run.url} has no base model and no checkpoint; run the SFT bootstrap first: "
+        f"`rlax sft --run {run.url}` (or `rlax import-hf PATH --run {run.url}`)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tpu_jobs.trainer", description=__doc__)
     parser.add_argument("--run", required=True, help="run URL (directory or gs://bucket/prefix)")
     args = parser.parse_args(argv)
     run = Run.open(args.run)
+    # Nothing to start from: say so before an epoch is taken and programs are compiled.
+    if base_server(run).latest_version() is None and not run.store.list(f"{CHECKPOINTS_PREFIX}/"):
+        raise RunError(_no_start_message(run))
     if run.config.mesh.distributed:  # before any JAX computation
         started = meshlib.initialize_distributed(auto=True)
         print(

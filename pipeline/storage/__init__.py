@@ -30,7 +30,7 @@ from pipeline.storage.local import LocalStore
 from pipeline.storage.memory import MemoryStore
 from pipeline.storage.registry import BACKENDS, Match, glob, open_parent, open_store
 from pipeline.storage.retry import RetryingStore, RetryPolicy, call_with_retry
-from pipeline.storage.urls import StorageUrl, local_path, split_url
+from pipeline.storage.urls import StorageUrl, StorageUrlError, local_path, split_url
 
 __all__ = [
     "BACKENDS",
@@ -47,6 +47,7 @@ __all__ = [
     "RetryingStore",
     "StorageError",
     "StorageUrl",
+    "StorageUrlError",
     "TransientStorageError",
     "call_with_retry",
     "glob",

@@ -17,7 +17,7 @@ from pipeline.storage.base import ObjectStore
 from pipeline.storage.gcs import GCSStore
 from pipeline.storage.local import LocalStore
 from pipeline.storage.memory import MemoryStore
-from pipeline.storage.urls import LOCAL_SCHEME, local_path, split_url
+from pipeline.storage.urls import LOCAL_SCHEME, StorageUrlError, local_path, split_url
 
 BACKENDS: dict[str, type[ObjectStore]] = {
     LOCAL_SCHEME: LocalStore,
@@ -40,11 +40,11 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> ObjectStore:
     """
     s = os.fspath(url)
     if not isinstance(s, str) or not s:
-        raise ValueError(f"storage url must be non-empty; allowed: {_allowed()}")
+        raise StorageUrlError(f"storage url must be non-empty; allowed: {_allowed()}")
     parsed = split_url(s)
     backend = BACKENDS.get(parsed.scheme)
     if backend is None:
-        raise ValueError(
+        raise StorageUrlError(
             f"unsupported storage url scheme {parsed.scheme!r} in {s!r}; registered schemes: "
             f"{', '.join(BACKENDS)}; allowed: {_allowed()}"
         )

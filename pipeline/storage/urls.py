@@ -15,6 +15,11 @@ from typing import NamedTuple
 LOCAL_SCHEME = "file"
 
 
+class StorageUrlError(ValueError):
+    """A URL no store can be opened at (empty, relative file://, no bucket, an unknown
+    scheme, '.'/'..' in a bucket's prefix); the message names it and what is allowed."""
+
+
 class StorageUrl(NamedTuple):
     """A parsed storage URL. For ``file``: no bucket, ``key`` is the filesystem path."""
 
@@ -32,11 +37,13 @@ def split_url(url: str | os.PathLike[str]) -> StorageUrl:
     """``gs://bucket/a/b`` -> ``StorageUrl("gs", "bucket", "a/b")``; ``/abs/dir``,
     ``rel/dir`` and ``file:///abs/dir`` -> ``StorageUrl("file", "", path)``.
 
-    Raises ``ValueError`` for an empty URL, a relative ``file://`` URL or a missing bucket.
+    Raises ``StorageUrlError`` for an empty URL, a relative ``file://`` URL, a missing
+    bucket, or a prefix with empty, '.' or '..' segments (object names are literal: no
+    store resolves them, and GCS would make them part of the name).
     """
     s = os.fspath(url)
     if not isinstance(s, str) or not s:
-        raise ValueError(f"storage url must be a non-empty str, got {s!r}")
+        raise StorageUrlError(f"storage url must be a non-empty str, got {s!r}")
     if "://" not in s:
         return StorageUrl(LOCAL_SCHEME, "", s)
     scheme, rest = s.split("://", 1)
@@ -44,11 +51,21 @@ def split_url(url: str | os.PathLike[str]) -> StorageUrl:
         if rest.startswith("localhost/"):
             rest = rest[len("localhost") :]
         if not rest.startswith("/"):
-            raise ValueError(f"storage url {s!r}: file:// urls must be absolute (file:///abs/dir)")
+            raise StorageUrlError(
+                f"storage url {s!r}: file:// urls must be absolute (file:///abs/dir)"
+            )
         return StorageUrl(LOCAL_SCHEME, "", rest)
     bucket, _, key = rest.partition("/")
     if not bucket:
-        raise ValueError(f"storage url {s!r} names no bucket; expected {scheme}://bucket/prefix")
+        raise StorageUrlError(
+            f"storage url {s!r} names no bucket; expected {scheme}://bucket/prefix"
+        )
+    bad = [part for part in key.rstrip("/").split("/") if part in ("", ".", "..")] if key else []
+    if bad:
+        raise StorageUrlError(
+            f"storage url {s!r}: prefix segment {bad[0]!r} is not allowed; allowed: "
+            f"{scheme}://bucket/a/b with non-empty segments other than '.' and '..'"
+        )
     return StorageUrl(scheme, bucket, key)
 
 

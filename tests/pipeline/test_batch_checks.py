@@ -22,7 +22,7 @@ LIMITS = BatchLimits(
     vocab_size=VOCAB,
     max_prompt_tokens=8,
     max_completion_tokens=6,
-    newest_version=3,
+    policy_version=3,
     reward_range=(0.0, 1.0),
     allow_empty=False,
 )
@@ -83,7 +83,9 @@ BAD = {
     "token id 10^6": ("completion_ids", _tokens(2, 10**6), r"row 2: .*token id 1000000"),
     "token id -5": ("completion_ids", _tokens(1, -5), r"row 1: .*token id -5; allowed: 0..55"),
     "batch_index not the name": ("batch_index", [9] * 4, "batch_index column is 9, but .* 7"),
-    "future policy_version": ("policy_version", [5] * 4, "policy_version 5 was never published"),
+    "future policy_version": ("policy_version", [5] * 4, "policy_version is 5; batch 7 .* 3 only"),
+    # published, but not the version the schedule pins batch 7 to: checked by rule, not range
+    "older policy_version": ("policy_version", [0] * 4, "policy_version is 0; batch 7 .* 3 only"),
     "mixed policy_version": ("policy_version", [3, 3, 2, 3], "one value per batch"),
     "logprobs of wrong length": (
         "behaviour_logprobs",

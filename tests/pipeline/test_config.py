@@ -90,6 +90,15 @@ def test_preset_fills_sizes_and_explicit_value_wins():
         ("sandbox.url=http://host:99999", ["sandbox.url", "http://host:port"]),
         ("sandbox.token_env=MY-TOKEN", ["sandbox.token_env", "environment variable name"]),
         ("nonsense", ["section.field=value"]),
+        # Issue 35, item 6: values that passed and then crashed a job, or ran for minutes.
+        ("model.hidden_size=100000000", ["model.hidden_size", "1..32768", "MODEL_CEILINGS"]),
+        ("model.vocab_size=1073741824", ["model.vocab_size", "1..1048576"]),
+        ("sampler.max_new_tokens=256", ["sampler.max_new_tokens", "< model.max_seq_len=256"]),
+        ("task.num_train=1000000000", ["task.num_train", "1..1000000"]),
+        ("eval.ks=[]", ["eval.ks", "a non-empty list"]),
+        ("workers=100000", ["workers", "1..1024"]),
+        ("trainer.steps=true", ["trainer.steps=True", "an integer, not true or false"]),
+        ("trainer.lr=false", ["trainer.lr=False", "a number, not true or false"]),
     ],
 )
 def test_invalid_values_name_field_and_allowed(override, words):
@@ -298,6 +307,59 @@ def test_infinities_and_nans_are_refused_in_any_float_field():
     for text in (".inf", "-.inf", ".nan", "inf"):
         with pytest.raises(ConfigError, match="allowed: a finite number"):
             load_config(ROOT / "configs/tiny.yaml", [f"trainer.lr={text}"])
+
+
+def test_a_yaml_bool_is_not_an_integer(tmp_path):
+    """`steps: true` was stored as 1."""
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  steps: true\n")
+    with pytest.raises(ConfigError, match=r"trainer.steps=True is invalid; allowed: an integer"):
+        load_config(path)
+
+
+def test_init_refuses_prompts_that_leave_no_room_for_the_completion(tmp_path):
+    """The cross-field rule that needs the data: longest prompt + max_new_tokens <=
+    model.max_seq_len, checked after generation and before anything is written."""
+    from pipeline.cli import main
+    from pipeline.tasks.mix import build_splits
+    from pipeline.tokenizer import get_tokenizer
+
+    url = str(tmp_path / "run")
+    cfg = load_config(ROOT / "configs/tiny.yaml")
+    tok = get_tokenizer(cfg.model.tokenizer)
+    train, held_out = build_splits(cfg.task)
+    longest = max(len(tok.encode_prompt(p.prompt)) for p in [*train, *held_out])
+    room = cfg.model.max_seq_len - longest  # the most max_new_tokens may be
+    args = ["init", "--run", url, "--config", "configs/tiny.yaml"]
+    assert main([*args, f"sampler.max_new_tokens={room + 1}"]) == 2
+    assert not (tmp_path / "run").exists()
+    assert main([*args, f"sampler.max_new_tokens={room}"]) == 0
+
+
+def test_init_writes_its_config_last_so_an_interrupted_one_is_retried_afresh(tmp_path):
+    """An init interrupted while it generated the data left config.json (written first)
+    and partial data; the corrected retry was then refused as "a different config". Now
+    config.json is written last: an interruption leaves at most data without a config, as
+    planted here (another config's held-out set), and the retry replaces it."""
+    from pipeline.cli import main
+    from pipeline.problem_sets import write_data
+    from pipeline.run import Run
+    from pipeline.storage import open_store
+
+    def ids(run: Run, split: str) -> list[str]:
+        return [p.problem_id for p in run.read_problems(split)]
+
+    url, fresh = str(tmp_path / "run"), str(tmp_path / "fresh")
+    other = Run(url, open_store(url), load_config(ROOT / "configs/tiny.yaml", ["task.seed=5"]))
+    write_data(other)  # what an init of another config, interrupted at its end, leaves
+    assert not (tmp_path / "run" / "config.json").exists()
+    left = {split: ids(other, split) for split in ("train", "eval")}
+    for where in (url, fresh):
+        assert main(["init", "--run", where, "--config", "configs/tiny.yaml"]) == 0
+    run = Run.open(url)
+    assert run.config.task.seed == 0
+    for split in ("train", "eval"):
+        assert ids(run, split) == ids(Run.open(fresh), split) != left[split]
 
 
 def test_a_failed_init_leaves_nothing_behind(tmp_path):

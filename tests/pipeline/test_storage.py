@@ -28,6 +28,7 @@ from pipeline.storage import (
     RetryPolicy,
     StorageError,
     StorageUrl,
+    StorageUrlError,
     TransientStorageError,
     glob,
     local_path,
@@ -211,6 +212,13 @@ def test_split_url_and_local_path(tmp_path: Path) -> None:
         split_url("memory:///p")
     with pytest.raises(ValueError, match="absolute"):
         local_path("file://rel/d")
+    assert split_url("gs://b/x/") == StorageUrl("gs", "b", "x/")  # a trailing '/' is fine
+    # Object names are literal: '..' would not climb out of the prefix, it would be a name.
+    for url, part in (("gs://b/../x", "'..'"), ("memory://m/a/./b", "'.'"), ("gs://b/a//c", "''")):
+        with pytest.raises(StorageUrlError, match=f"prefix segment {part} is not allowed"):
+            split_url(url)
+    with pytest.raises(StorageUrlError, match="must be non-empty"):
+        open_store("")
 
 
 def test_memory_stores_of_one_name_share_their_objects() -> None:

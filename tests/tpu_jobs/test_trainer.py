@@ -398,10 +398,11 @@ def _relabel(batch: RolloutBatch, index: int, version: int) -> RolloutBatch:
     return replace(batch, batch_index=index, policy_version=version)
 
 
-def test_stale_and_empty_batches_are_dropped_and_counted(grpo_run, real_batch, tmp_path):
-    # max_staleness=0, steps=2; dynamic sampling: only it may commit an empty batch
-    # (elsewhere the batch checks refuse one, tests/pipeline/test_batch_checks.py).
-    cfg = with_trainer(grpo_run.config, dynamic_sampling=True)
+def test_empty_batches_are_dropped_and_staleness_is_counted(grpo_run, real_batch, tmp_path):
+    # max_staleness=1, publish_every=1: batch i is made from version max(0, i - 1)
+    # (pipeline.rollouts.required_version). Dynamic sampling: only it may commit an empty
+    # batch (elsewhere the batch checks refuse one, tests/pipeline/test_batch_checks.py).
+    cfg = with_trainer(grpo_run.config, dynamic_sampling=True, max_staleness=1, steps=3)
     run = clone_run(grpo_run, str(tmp_path / "run"), cfg)
     leases = BatchLeases(run.store, ttl_seconds=30)
     empty = RolloutBatch(
@@ -422,22 +423,22 @@ def test_stale_and_empty_batches_are_dropped_and_counted(grpo_run, real_batch, t
     leases.commit_batch(0, to_parquet_bytes(_relabel(real_batch, 0, 0)))
     leases.commit_batch(1, to_parquet_bytes(_relabel(real_batch, 1, 0)))  # 1 version old
     leases.commit_batch(2, to_parquet_bytes(empty))
-    leases.commit_batch(3, to_parquet_bytes(_relabel(real_batch, 3, 1)))
+    leases.commit_batch(3, to_parquet_bytes(_relabel(real_batch, 3, 2)))
     state = Trainer(run, log=lambda m: None, fused=False).train()
-    assert (state.step, state.next_batch) == (2, 4)
-    assert (state.dropped, state.dropped_stale, state.dropped_empty) == (2, 1, 1)
-    dropped = sorted(run.read_metrics("dropped"), key=lambda r: r["index"])
-    assert [(r["index"], r["reason"]) for r in dropped] == [(1, "stale"), (2, "empty")]
-    assert dropped[0]["staleness"] == 1
+    assert (state.step, state.next_batch) == (3, 4)
+    assert (state.dropped, state.dropped_stale, state.dropped_empty) == (1, 0, 1)
+    assert state.quarantined == 0
+    dropped = run.read_metrics("dropped")
+    assert [(r["index"], r["reason"]) for r in dropped] == [(2, "empty")]
     train = sorted(run.read_metrics("train"), key=lambda r: r["step"])
-    assert [r["batch_index"] for r in train] == [0, 3]
-    assert [r["staleness"] for r in train] == [0, 0]
+    assert [r["batch_index"] for r in train] == [0, 1, 3]
+    assert [r["staleness"] for r in train] == [0, 1, 0]
     assert train[-1]["staleness_hist"] == {"0": 2, "1": 1}
-    assert train[-1]["dropped_total"] == 2 and train[-1]["dropped_stale"] == 1
+    assert train[-1]["dropped_total"] == 1 and train[-1]["dropped_stale"] == 0
     for name in ("is_ratio_mean", "is_ratio_max", "clip_frac", "logprob_absdiff_max"):
         assert name in train[-1]
     done = json.loads(run.store.read(DONE_KEY))
-    assert done["dropped"] == 2 and done["dropped_stale"] == 1 and done["dropped_empty"] == 1
+    assert done["dropped"] == 1 and done["dropped_stale"] == 0 and done["dropped_empty"] == 1
 
 
 # --------------------------------------------------------------------------------------
@@ -584,6 +585,41 @@ def test_poisoned_batches_are_quarantined_and_the_run_goes_on(grpo_run, real_bat
     assert [r["batch_index"] for r in train] == [0, 1, 2, 3]
     assert all(np.isfinite(r["loss"]) for r in train)
     assert train[-1]["quarantined_total"] == 4
+
+
+def _final_weights(run) -> dict[str, np.ndarray]:
+    from pipeline.paramserver import ParamServer
+
+    ps = ParamServer(run.store)
+    return ps.pull(ps.versions()[-1]).tensors
+
+
+def test_a_batch_of_the_wrong_version_is_quarantined_and_the_run_ends_bit_identical(
+    grpo_run, real_batch, tmp_path
+):
+    """Issue 35, item 5: a batch whose policy_version was published but is not the one the
+    schedule pins it to (batch 2 from v0 where max_staleness=0 requires v2) used to pass
+    the range check and be dropped as stale: the run then trained on one batch fewer and
+    its weights differed from a clean run's. Now it is quarantined and produced again, and
+    the run ends with exactly the clean run's weights."""
+    cfg = with_trainer(grpo_run.config, steps=3)
+    good = {i: _relabel(real_batch, i, i) for i in range(3)}  # required_version(i) = i
+    clean = clone_run(grpo_run, str(tmp_path / "clean"), cfg)
+    planted = clone_run(grpo_run, str(tmp_path / "planted"), cfg)
+    for i in range(3):
+        BatchLeases(clean.store, ttl_seconds=30).commit_batch(i, to_parquet_bytes(good[i]))
+        batch = _relabel(real_batch, i, 0) if i == 2 else good[i]
+        BatchLeases(planted.store, ttl_seconds=30).commit_batch(i, to_parquet_bytes(batch))
+    Trainer(clean, log=lambda m: None, fused=False).train()
+    state = Trainer(planted, log=_Reproducer(planted, good), fused=False).train()
+    assert (state.step, state.next_batch, state.quarantined, state.dropped) == (3, 3, 1, 0)
+    [record] = BatchLeases(planted.store, ttl_seconds=30).quarantined()
+    assert record["batch_index"] == 2
+    assert record["reason"].startswith("policy_version is 0; batch 2 is made from version 2")
+    want, got = _final_weights(clean), _final_weights(planted)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_a_batch_refused_again_and_again_stops_the_trainer_with_a_clear_error(
