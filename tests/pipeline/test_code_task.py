@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.sandbox import SandboxError
+from pipeline.sandbox import SandboxError, execute
 from pipeline.sandbox.isolation import userns_forbidden
 from pipeline.tasks import TASKS, get_task
 from pipeline.tasks import code_task as ct
@@ -285,16 +285,24 @@ def double(x):
 """
 READS_THE_TESTS = """
 import gc, os
+NEEDLE = "assert candi" + "date(2) == 4"  # built at run time: not a constant of this text
+
+def seen() -> bool:
+    for obj in gc.get_objects():
+        values = obj.values() if isinstance(obj, dict) else obj
+        if isinstance(obj, (dict, list, tuple)):
+            if any(isinstance(v, str) and v is not NEEDLE and NEEDLE in v for v in values):
+                return True
+    for fd in range(64):
+        try:
+            if NEEDLE.encode() in os.pread(fd, 1 << 20, 0):
+                return True
+        except OSError:
+            pass
+    return False
+
 def double(x):
-    found = [o for o in gc.get_objects() if isinstance(o, str) and "candidate(2)" in o]
-    return 4 if found else 0
-for fd in range(64):
-    try:
-        os.lseek(fd, 0, 0)
-        if b"candidate(2)" in os.read(fd, 1 << 16):
-            os.write(1, b"rlax-tests-passed\\n")
-    except OSError:
-        pass
+    return 4 if seen() else 0  # right only for x == 2, and only if the tests were found
 """
 
 
@@ -333,6 +341,15 @@ def test_forged_rewards_score_zero(program):
     # honest program beside it shows the same problem passes on merit.
     honest = "def double(x):\n    return 2 * x"
     assert CODE.verify_batch([DOUBLE, DOUBLE], [program, honest]) == [0.0, 1.0]
+
+
+@sandboxed
+def test_the_test_reading_probe_finds_tests_that_share_its_process():
+    # The control for `reads-tests` above: composed in one process, as before the harness,
+    # the probe finds the tests and passes them.
+    composed = READS_THE_TESTS + DOUBLE.meta["tests"] + "check(double)\n"
+    assert execute(composed).status == "ok"
+    assert execute(READS_THE_TESTS + "check = None\nassert double(2) == 0\n").ok
 
 
 @sandboxed
