@@ -233,6 +233,50 @@ FAULTS = [
         C + "test_sandbox_service.py::test_bad_serve_arguments_are_one_line_and_exit_2",
     ),
     Fault(
+        "a code completion that forges its reward: walks sys._getframe() into the harness, "
+        "returns an always-equal object or an int subclass equal to everything, prints the "
+        "harness's marker, sys.exit(0) / os._exit(0), searches memory and fds for the tests, "
+        "kills the harness, writes a reply frame of its own",
+        "each scores 0 (the tests run in a harness process the program cannot reach; only "
+        "plain data crosses; only the harness writes the verdict); the honest program beside "
+        "each scores 1",
+        "nothing",
+        C + "test_code_task.py::test_forged_rewards_score_zero",
+    ),
+    Fault(
+        "HumanEval's 164 canonical solutions through the separated harness",
+        "164 of 164 pass (whole programs and fenced), as before",
+        "nothing",
+        C + "test_code_task.py::test_all_164_canonical_solutions_pass",
+    ),
+    Fault(
+        "a program that redefines a helper the tests call (HumanEval/32's poly)",
+        "the tests use the dataset prefix's helper, run in the harness: the cheat scores 0",
+        "nothing",
+        C + "test_code_task.py::test_the_tests_use_the_prefixs_helpers_not_the_programs",
+    ),
+    Fault(
+        "math answers carrying Python (__import__, lambda) in \\boxed{}, \\text{} and plain text",
+        "parsed, never run: the payload's side effect never happens, reward 0",
+        "nothing",
+        C + "test_math_task.py::test_model_text_is_parsed_never_run_by_the_grader",
+    ),
+    Fault(
+        "a run leaves a SysV shared-memory segment, a queued message, a semaphore, POSIX "
+        "shared memory and a named semaphore, and tries a POSIX message queue",
+        "the next run in the same worker finds none of them (SysV objects removed after "
+        "every run, /dev/shm emptied, message queues refused by RLIMIT_MSGQUEUE=0)",
+        "nothing",
+        C + "test_sandbox.py::test_no_ipc_object_outlives_the_run",
+    ),
+    Fault(
+        "a tool program keeping counters in SysV and POSIX shared memory, called 8 times",
+        "prints 1 1 every time, whichever worker ran the earlier calls",
+        "nothing",
+        C
+        + "test_environments.py::test_a_tool_call_prints_the_same_whichever_worker_ran_earlier_calls",
+    ),
+    Fault(
         "random SIGKILLs of the trainer and workers (chaos)",
         "the schedule kills the trainer after its first checkpoint and a worker mid-batch; "
         "a run without both and a restore is reported inconclusive",

@@ -1,7 +1,12 @@
 """Sandbox throughput: HumanEval-sized verifications through `pipeline.sandbox.execute`,
 against a plain subprocess per run and against unsafe in-process `exec`, in the same run.
 
-* isolated: `execute(program)`: a fork of a pre-started bubblewrap worker per run.
+* graded (code family): `CodeTask.verify` of the solution against the problem's tests,
+  which run in a harness process the program cannot reach and call the program, in a
+  second process of the same run, over plain-data RPC (`pipeline/tasks/code_harness.py`):
+  what a rollout worker pays per verification.
+* isolated: `execute(program)`: a fork of a pre-started bubblewrap worker per run, with
+  program and tests in one process (the composition before the harness).
 * plain subprocess: `python -I -c program` per run, the same interpreter, no isolation:
   what an unsandboxed grader pays.
 * cold sandbox per run: the same bwrap namespaces and seccomp filter, started afresh with
@@ -27,6 +32,7 @@ Writes the table to benchmarks/results/sandbox.md.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import re
@@ -47,6 +53,10 @@ from pipeline.sandbox.client import RemoteSandbox  # noqa: E402
 from pipeline.sandbox.isolation import interpreter, launch  # noqa: E402
 from pipeline.sandbox.limits import Limits  # noqa: E402
 from pipeline.sandbox.pool import pool_for  # noqa: E402
+from pipeline.tasks import get_task  # noqa: E402
+from pipeline.tasks.base import Problem, make_problem  # noqa: E402
+
+CODE = get_task("code")
 
 PROBLEMS = {
     "has_close_elements": (
@@ -162,15 +172,27 @@ def check(candidate):
 }
 
 
+# The composed program of each case -> its code problem and completion (the graded mode).
+GRADED: dict[str, tuple[Problem, str]] = {}
+
+
 def programs() -> list[tuple[str, bool]]:
     """(program, should_pass) pairs: each solution with its tests, and a gutted twin."""
     out = []
     for name, (solution, tests) in PROBLEMS.items():
         head = solution.split("\n    ", 1)[0]  # the signature line and what precedes it
         gutted = head + "\n    return None\n"
-        out.append((f"{solution}\n{tests}\ncheck({name})\n", True))
-        out.append((f"{gutted}\n{tests}\ncheck({name})\n", False))
+        problem = make_problem("code", name, solution, {"tests": tests, "entry_point": name})
+        for body, passes in ((solution, True), (gutted, False)):
+            composed = f"{body}\n{tests}\ncheck({name})\n"
+            GRADED[composed] = (problem, body)
+            out.append((composed, passes))
     return out
+
+
+def run_graded(program: str) -> bool:
+    problem, completion = GRADED[program]
+    return CODE.verify(problem, completion) == 1.0
 
 
 def run_isolated(program: str) -> bool:
@@ -229,6 +251,7 @@ class Service:
 SERVICE = Service()
 
 MODES: dict[str, Callable[[str], bool]] = {
+    "graded (code family: harness + program processes)": run_graded,
     "isolated (pipeline.sandbox)": run_isolated,
     "plain subprocess (python -I -c)": run_plain,
     "cold sandbox per run (bwrap + python -I -S -c)": run_cold_sandbox,
@@ -265,22 +288,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--callers", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/sandbox.md"))
+    parser.add_argument(
+        "--modes", nargs="*", default=None, help="substrings of the modes to run (default all)"
+    )
     args = parser.parse_args(argv)
 
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     pool_for(Limits(timeout_s=10, memory_mb=512)).warm()
+    pool_for(Limits()).warm()  # the graded mode's
     warm_s = time.perf_counter() - start
     results = {}
     try:
         for name, run in MODES.items():
+            if args.modes and not any(m in name for m in args.modes):
+                continue
             measure(run, 2 * len(PROBLEMS) * 2, args.callers)  # warm-up, untimed
             results[name] = measure(run, args.runs, args.callers)
             print(name, {k: round(v, 2) for k, v in results[name].items()}, flush=True)
     finally:
         SERVICE.stop()
 
-    plain = results["plain subprocess (python -I -c)"]["runs_per_s"]
+    plain = results.get("plain subprocess (python -I -c)", {}).get("runs_per_s", math.nan)
+    load_after = os.getloadavg()[0]
     lines = [
         "# Sandbox throughput",
         "",
@@ -290,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         f"per mode (5 problems, each solution and a gutted twin, every verdict checked), "
         f"{args.callers} concurrent callers. Starting the pool "
         f"({pool_for(Limits()).size} workers) took {warm_s * 1000:.0f} ms, not counted. "
-        f"1-minute load average before the run: {load_before:.2f}.",
+        f"1-minute load average before the run: {load_before:.2f}, after: {load_after:.2f}.",
         "",
         "| mode | runs/s | vs plain subprocess | median ms | p95 ms |",
         "|---|---:|---:|---:|---:|",

@@ -101,6 +101,9 @@ class Limits:
             "RLIMIT_FSIZE": self.file_size_mb * MIB,
             "RLIMIT_NOFILE": self.open_files,
             "RLIMIT_CORE": 0,
+            # No POSIX message queues: they live in the worker's IPC namespace, outside
+            # any directory the worker empties, so one could carry data to a later run.
+            "RLIMIT_MSGQUEUE": 0,
         }
         # CPU: the soft limit sends SIGXCPU (reported as "timeout"); at the hard one the
         # kernel sends SIGKILL, which would be indistinguishable from other kills.

@@ -24,7 +24,7 @@ from pathlib import Path
 from pipeline.sandbox import isolation
 from pipeline.sandbox.limits import Limits
 from pipeline.sandbox.result import ExecResult, SandboxError
-from pipeline.sandbox.worker import read_frame, write_frame
+from pipeline.sandbox.worker import read_frame, send_run
 
 WORKER_SOURCE = Path(__file__).with_name("worker.py").read_text()
 START_TIMEOUT_S = 30.0
@@ -76,10 +76,11 @@ class Worker:
         except (OSError, ValueError):
             return None
 
-    def request(self, message: dict, timeout_s: float) -> dict | None:
-        """Send one run and wait for its reply; None when the worker died or hung."""
+    def request(self, message: dict, stdin: bytes, timeout_s: float) -> dict | None:
+        """Send one run (its frame, then its stdin) and wait for its reply; None when the
+        worker died or hung."""
         try:
-            write_frame(self.proc.stdin.fileno(), message)
+            send_run(self.proc.stdin.fileno(), message, stdin)
         except OSError:
             return None
         return self._reply(timeout_s)
@@ -132,7 +133,6 @@ class Pool:
         """Run `code` in one of the workers under `limits`."""
         message = {
             "code": code,
-            "stdin": stdin,
             "timeout_s": limits.timeout_s,
             "output_bytes": limits.output_bytes,
             "rlimits": limits.rlimits(),
@@ -140,7 +140,7 @@ class Pool:
         worker = self._acquire()
         start = time.monotonic()
         try:
-            reply = worker.request(message, limits.timeout_s + GRACE_S)
+            reply = worker.request(message, stdin.encode(), limits.timeout_s + GRACE_S)
         except BaseException:
             self._retire(worker)
             raise

@@ -2,8 +2,20 @@
 
 Stdlib only, and it must run under `python -s -P -S` (`isolation.WORKER_FLAGS`): the host passes this file's text with
 `-c`, so no file of the project needs to be visible inside. The host imports it only for
-`read_frame`/`write_frame`, the one definition of the protocol both sides speak: a 4-byte
-big-endian length, then that many bytes of JSON, over the worker's stdin and stdout.
+`read_frame`/`write_frame`/`send_run`, the one definition of the protocol both sides speak:
+a 4-byte big-endian length, then that many bytes of JSON, over the worker's stdin and
+stdout. A run's request frame is followed by its standard input as raw bytes
+(`stdin_bytes` of them), which the worker splices from the pipe into the run's memfd
+without ever reading them: they never enter the worker's memory, so no later fork of it
+holds them. That is what lets a run give its stdin to a child process that a program
+forked before it cannot read (the code family's tests, `pipeline/tasks/code_harness.py`).
+
+Nothing outlives a run: after each one the worker kills every process of it, empties /tmp
+and /dev/shm (files, POSIX shared memory and named semaphores) and removes every System V
+shared-memory segment, message queue and semaphore set of its IPC namespace (which bwrap
+made for this worker alone); POSIX message queues cannot be created at all
+(RLIMIT_MSGQUEUE is 0, `pipeline.sandbox.limits`). A worker that cannot clean up is
+replaced.
 
 Why PID 1: the kernel drops every signal sent to a namespace's init from inside the
 namespace unless init has a handler for it, so a run cannot kill (or stop) its worker,
@@ -35,9 +47,17 @@ MEMORY_EXIT = 201
 # import these); the list changes timings only, never results.
 WARM_MODULES = ("typing", "math", "re", "collections", "itertools", "functools", "heapq", "string")
 WIPED_DIRS = ("/tmp", "/dev/shm")
+# System V IPC objects of the worker's IPC namespace, as the kernel lists them, and the
+# libc call that removes one (IPC_RMID = 0): shmctl(id, IPC_RMID, NULL), msgctl(id,
+# IPC_RMID, NULL), semctl(id, 0, IPC_RMID).
+SYSV_IPC = {
+    "/proc/sysvipc/shm": lambda libc, ident: libc.shmctl(ident, 0, None),
+    "/proc/sysvipc/msg": lambda libc, ident: libc.msgctl(ident, 0, None),
+    "/proc/sysvipc/sem": lambda libc, ident: libc.semctl(ident, 0, 0),
+}
 PR_SET_DUMPABLE = 4
 CHUNK = 1 << 16
-_prctl = None  # libc's prctl, bound in main()
+_libc = None  # libc (ctypes), bound in main()
 
 
 def read_frame(fd: int) -> dict | None:
@@ -57,6 +77,23 @@ def write_frame(fd: int, message: dict) -> None:
     data = memoryview(HEADER.pack(len(body)) + body)
     while data:
         data = data[os.write(fd, data) :]
+
+
+def send_run(fd: int, message: dict, stdin: bytes) -> None:
+    """Write one run's request frame (`message` without its stdin) and then `stdin`."""
+    write_frame(fd, message | {"stdin_bytes": len(stdin)})
+    data = memoryview(stdin)
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _splice_exactly(src: int, dst: int, n: int) -> None:
+    # Kernel to kernel: the bytes go from the pipe into the memfd without a copy here.
+    while n:
+        moved = os.splice(src, dst, n)
+        if not moved:
+            raise EOFError("the host closed the pipe in the middle of a run's stdin")
+        n -= moved
 
 
 def _read_exactly(fd: int, n: int) -> bytes | None:
@@ -116,7 +153,7 @@ def _child(request: dict, stdin_fd: int, out_w: int, err_w: int) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # Dumpable again, so the run can read its own /proc/self (fd, environ) as usual; the
     # worker it was forked from stays non-dumpable.
-    _prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     for name, (soft, hard) in request["rlimits"].items():
         resource.setrlimit(getattr(resource, name), (soft, hard))
     os._exit(_run_program(request["code"]))
@@ -139,9 +176,21 @@ def _kill_all(child: int) -> int:
             child_status = wait_status
 
 
+def _sysv_ids(listing: str) -> list[int]:
+    """The ids (second column) of a /proc/sysvipc listing, header line skipped."""
+    with open(listing) as f:
+        return [int(line.split()[1]) for line in f.read().splitlines()[1:] if line.strip()]
+
+
 def _wipe() -> bool:
-    """Empty the run's writable directories; False when something could not be removed
-    (the host then replaces this worker, whose tmpfs dies with it)."""
+    """Empty the run's writable directories and remove its System V IPC objects; False
+    when something could not be removed (the host then replaces this worker, whose tmpfs
+    and IPC namespace die with it)."""
+    for listing, remove in SYSV_IPC.items():
+        for ident in _sysv_ids(listing):
+            remove(_libc, ident)
+        if _sysv_ids(listing):
+            return False
     for top in WIPED_DIRS:
         for name in os.listdir(top):
             path = os.path.join(top, name)
@@ -165,13 +214,12 @@ def _classify(wait_status: int) -> tuple[str, int]:
     return ("ok" if code == 0 else "error"), code
 
 
-def run(request: dict) -> dict:
-    """Run one program in a forked child and return the reply frame."""
+def run(request: dict, requests: int) -> dict:
+    """Run one program in a forked child (its stdin spliced from `requests`) and return
+    the reply frame."""
     start = time.monotonic()
     stdin_fd = os.memfd_create("stdin")
-    data = memoryview(request["stdin"].encode())
-    while data:
-        data = data[os.write(stdin_fd, data) :]
+    _splice_exactly(requests, stdin_fd, request["stdin_bytes"])
     os.lseek(stdin_fd, 0, os.SEEK_SET)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -253,11 +301,11 @@ def main() -> None:
     os.close(devnull)
     # Non-dumpable: a run has the worker's uid, and without this could ptrace it or write
     # its memory through /proc/1/mem and so tamper with later runs.
-    global _prctl
+    global _libc
     import ctypes
 
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-    _prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     # A run could otherwise interrupt the worker with SIGINT (it has a handler, so init's
     # protection does not cover it).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -275,7 +323,7 @@ def main() -> None:
         return
     write_frame(replies, {"ready": True})
     while (request := read_frame(requests)) is not None:
-        write_frame(replies, run(request))
+        write_frame(replies, run(request, requests))
 
 
 if __name__ == "__main__":

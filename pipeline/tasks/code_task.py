@@ -14,11 +14,17 @@ completion without any fence is the program itself (a base model continuing the 
 A completion whose fences are all of other languages has no program. An unclosed last
 fence runs to the end of the text (generation stopped before the closing fence).
 
-`tests` run exactly as HumanEval's `check_correctness` composes them: program, a
-newline, the tests, a newline, `check(entry_point)` when an entry point is given. When
-the program does not define the entry point, the problem's `prefix` is put in front of it
-first, as evalplus and bigcode-evaluation-harness do for base models: the completion is
-then the body that continues HumanEval's prompt. Each `io` case is one run with the
+`tests` are graded where the program cannot reach them (`pipeline/tasks/code_harness.py`):
+one sandbox run holds two processes, the program's, which runs it and answers calls, and
+the harness's, which runs the tests and `check(entry_point)` as HumanEval composes them,
+calling the program through proxies whose arguments and results are plain data (JSON of
+builtin types). The tests travel in the run's stdin, which the program's process never
+sees, and only the harness writes the run's stdout: it passes when that is exactly the
+harness's marker line. When the program does not define the entry point, the problem's
+`prefix` is put in front of it first, as evalplus and bigcode-evaluation-harness do for
+base models: the completion is then the body that continues HumanEval's prompt. The
+prefix is also run, trusted, in the harness, so helpers the tests call (`poly`,
+`encode_cyclic`) are the dataset's, not the program's. Each `io` case is one run with the
 case's stdin; its stdout must equal the expected one up to trailing whitespace on each
 line and trailing blank lines (and CRLF), i.e. the usual "ignore trailing whitespace"
 judge; line structure and leading spaces still count. A run must exit 0 as well: a
@@ -30,26 +36,28 @@ they overlap. When the sandbox itself cannot run, `SandboxError` propagates: sco
 batch 0 instead would silently train the policy against a broken grader (every sample
 "wrong"), which is far worse than a failed step that the job's retry handles.
 
-What the sandbox does not give: the tests share a process with the program, as in
-HumanEval, so a program written to cheat the grader from inside (an object whose `__eq__`
-is always true) is not caught. One cheap cheat is: a program that ends the process early
-with status 0 (`sys.exit(0)` before the tests run) fails, because a run passes only when
-the harness prints, after `check`, a line the program cannot know in advance.
+What this closes: a program that walks `sys._getframe()` into the harness, prints the
+marker, exits early with status 0, or returns an object whose `__eq__` is always true
+scores 0 (`tests/pipeline/test_code_task.py::test_forged_rewards_score_zero`): it shares no
+process, frame or output stream with the tests, and only plain data crosses. What stays
+the test's own business: a test that checks too little (`assert candidate(x)` on any truthy
+value) passes a program that exploits that, as anywhere.
 """
 
 from __future__ import annotations
 
-import hashlib
+import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 
 from pipeline.sandbox import ExecResult, Job, Limits, execute_many
-from pipeline.tasks import code_dsl
+from pipeline.tasks import code_dsl, code_harness
 from pipeline.tasks.base import Problem, SyntheticTask, make_problem
 
 # Per run. HumanEval's evaluator defaults to 3 s per problem; these runs share the CPUs
@@ -67,6 +75,17 @@ PROMPT_TEMPLATE = (
 
 _OPEN = re.compile(r"([ \t]*)```[ \t]*([A-Za-z0-9_+.#-]*)[^`]*")
 _CLOSE = re.compile(r"[ \t]*```[ \t]*")
+# The harness (`code_harness`'s module doc) is loaded once per sandbox worker, as the
+# module HARNESS_MODULE, by trusted warm-up code, so that a `tests` run compiles one line
+# instead of the harness (~2 ms a run).
+HARNESS_MODULE = "rlax_code_harness"
+HARNESS_WARMUP = f"""\
+import sys, types
+_module = types.ModuleType({HARNESS_MODULE!r})
+exec(compile({Path(code_harness.__file__).read_text()!r}, {HARNESS_MODULE!r}, "exec"),
+     _module.__dict__)
+sys.modules[{HARNESS_MODULE!r}] = _module
+"""
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -194,7 +213,7 @@ def check_code_problem(problem: Problem) -> None:
 @dataclass(frozen=True)
 class Check:
     """One sandboxed run of a completion and what its result must show to pass:
-    `expect` is the expected normalised stdout (io) or the harness's end marker (tests)."""
+    `expect` is the expected normalised stdout (io) or the harness's marker line (tests)."""
 
     job: Job
     kind: str
@@ -205,7 +224,8 @@ class Check:
 
 
 def _reached_end(stdout: str, marker: str) -> bool:
-    return marker in stdout.splitlines()
+    # Only the harness writes stdout (the program's prints go to stderr).
+    return stdout == marker + "\n"
 
 
 def _same_output(stdout: str, expected: str) -> bool:
@@ -228,11 +248,14 @@ def program_for(problem: Problem, completion: str) -> str | None:
     return program
 
 
-def _end_marker(program: str, tests: str) -> str:
-    """A line only the harness prints, after the tests: derived from the program itself,
-    so no program can contain it literally (deterministic, unlike a random nonce; what a
-    program written to attack the harness could still do: docs/security.md)."""
-    return "rlax-tests-passed-" + hashlib.sha256(f"{program}\x00{tests}".encode()).hexdigest()[:24]
+def tests_job(problem: Problem, program: str) -> Job:
+    """The run that grades `program` against the problem's `tests`: the harness's
+    `main(program)`, with the tests, entry point and prefix as its stdin."""
+    meta = problem.meta
+    tests = {k: meta.get(k) for k in ("tests", "entry_point", "prefix")}
+    code = f"import {HARNESS_MODULE}\n{HARNESS_MODULE}.main({program!r})\n"
+    limits = Limits(timeout_s=_timeout(problem, TESTS_TIMEOUT_S), warmup=HARNESS_WARMUP)
+    return Job(code, stdin=json.dumps(tests), limits=limits)
 
 
 def code_checks(problem: Problem, completion: str) -> list[Check]:
@@ -245,14 +268,7 @@ def code_checks(problem: Problem, completion: str) -> list[Check]:
     meta = problem.meta
     checks = []
     if "tests" in meta:
-        entry = meta.get("entry_point")
-        marker = _end_marker(program, meta["tests"])
-        # HumanEval's composition, then the marker straight to fd 1, so a program that
-        # replaced sys.stdout cannot hide it.
-        harness = program + "\n" + meta["tests"] + "\n" + (f"check({entry})\n" if entry else "")
-        harness += f"__import__('os').write(1, b'\\n{marker}\\n')\n"
-        limits = Limits(timeout_s=_timeout(problem, TESTS_TIMEOUT_S))
-        checks.append(Check(Job(harness, limits=limits), "tests", marker))
+        checks.append(Check(tests_job(problem, program), "tests", code_harness.MARKER))
     for case in meta.get("io", ()):
         limits = Limits(timeout_s=_timeout(problem, IO_TIMEOUT_S))
         expected = normalise_output(case["stdout"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.sandbox import SandboxError
+from pipeline.sandbox import SandboxError, execute
 from pipeline.sandbox.isolation import userns_forbidden
 from pipeline.tasks import TASKS, get_task
 from pipeline.tasks import code_task as ct
@@ -257,3 +257,123 @@ def test_check_problem_names_the_problem_and_what_is_wrong(meta, says):
     assert p.problem_id in str(err.value)
     with pytest.raises(ValueError, match=says):
         CODE.verify_batch([p], ["print(1)"])  # a data error, not a wrong answer
+
+
+# ------------------------------------------------------------------ forged rewards
+
+DOUBLE = asserts_problem("def check(candidate):\n    assert candidate(2) == 4\n", "double")
+FRAME_WALK = """
+import os, sys
+def double(x):
+    return 0
+frame = sys._getframe()
+while frame is not None:
+    for value in list(frame.f_globals.values()) + list(frame.f_locals.values()):
+        if isinstance(value, str) and value.startswith("rlax-tests-passed"):
+            os.write(1, (value + "\\n").encode())
+    frame = frame.f_back
+os.write(1, b"rlax-tests-passed\\n")
+os._exit(0)
+"""
+ALWAYS_EQUAL = """
+class Anything:
+    def __eq__(self, other):
+        return True
+    __hash__ = object.__hash__
+def double(x):
+    return Anything()
+"""
+READS_THE_TESTS = """
+import gc, os
+NEEDLE = "assert candi" + "date(2) == 4"  # built at run time: not a constant of this text
+
+def seen() -> bool:
+    for obj in gc.get_objects():
+        values = obj.values() if isinstance(obj, dict) else obj
+        if isinstance(obj, (dict, list, tuple)):
+            if any(isinstance(v, str) and v is not NEEDLE and NEEDLE in v for v in values):
+                return True
+    for fd in range(64):
+        try:
+            if NEEDLE.encode() in os.pread(fd, 1 << 20, 0):
+                return True
+        except OSError:
+            pass
+    return False
+
+def double(x):
+    return 4 if seen() else 0  # right only for x == 2, and only if the tests were found
+"""
+
+
+@sandboxed
+@pytest.mark.parametrize(
+    "program",
+    [
+        FRAME_WALK,
+        ALWAYS_EQUAL,
+        READS_THE_TESTS,
+        "def double(x):\n    return 0\nprint('rlax-tests-passed')",
+        "def double(x):\n    return 0\nimport sys\nsys.exit(0)",
+        "def double(x):\n    return 0\nimport os\nos._exit(0)",
+        # An int subclass equal to everything: not plain data, refused on the way out.
+        "class N(int):\n    def __eq__(self, o):\n        return True\n"
+        "def double(x):\n    return N(0)",
+        # Killing the harness (its parent) or writing a reply frame of its own.
+        "import os, signal\ndef double(x):\n    os.kill(os.getppid(), signal.SIGKILL)",
+        "import os\nos.write(4, b'\\x00\\x00\\x00\\x0b[\"value\",4]')\n"
+        "def double(x):\n    return 0",
+    ],
+    ids=[
+        "frame-walk",
+        "always-equal",
+        "reads-tests",
+        "marker",
+        "exit",
+        "_exit",
+        "int-sub",
+        "kill",
+        "own-reply",
+    ],
+)
+def test_forged_rewards_score_zero(program):
+    # Each forgery also returns a wrong value, so only a forged verdict could pass it; the
+    # honest program beside it shows the same problem passes on merit.
+    honest = "def double(x):\n    return 2 * x"
+    assert CODE.verify_batch([DOUBLE, DOUBLE], [program, honest]) == [0.0, 1.0]
+
+
+@sandboxed
+def test_the_test_reading_probe_finds_tests_that_share_its_process():
+    # The control for `reads-tests` above: composed in one process, as before the harness,
+    # the probe finds the tests and passes them.
+    composed = READS_THE_TESTS + DOUBLE.meta["tests"] + "check(double)\n"
+    assert execute(composed).status == "ok"
+    assert execute(READS_THE_TESTS + "check = None\nassert double(2) == 0\n").ok
+
+
+@sandboxed
+def test_results_cross_as_plain_data_with_their_exact_types():
+    tests = """
+def check(candidate):
+    assert candidate() == ((1, [2.5, None]), {"a": {3}}, b"x", 1j, frozenset({True}))
+    assert type(candidate()[0]) is tuple and candidate()[0] != [1, [2.5, None]]
+    assert candidate.__name__ == "values"
+"""
+    p = asserts_problem(tests, "values")
+    right = 'def values():\n    return ((1, [2.5, None]), {"a": {3}}, b"x", 1j, frozenset({True}))'
+    as_list = (
+        'def values():\n    return [[1, [2.5, None]], {"a": {3}}, b"x", 1j, frozenset({True})]'
+    )
+    assert CODE.verify_batch([p, p], [right, as_list]) == [1.0, 0.0]
+
+
+@sandboxed
+def test_the_tests_use_the_prefixs_helpers_not_the_programs():
+    # HumanEval/32's shape: the test checks the answer with `poly` from the prompt.
+    prefix = "def poly(x):\n    return x - 3\n\ndef root():\n    pass\n"
+    p = asserts_problem(
+        "def check(candidate):\n    assert poly(candidate()) == 0\n", "root", prefix=prefix
+    )
+    cheat = "def poly(x):\n    return 0\n\ndef root():\n    return 7\n"
+    assert CODE.verify_batch([p, p], [cheat, "def root():\n    return 3\n"]) == [0.0, 1.0]

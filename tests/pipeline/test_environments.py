@@ -142,3 +142,26 @@ def test_a_registered_environment_is_built_by_name():
 def test_a_step_refuses_an_unknown_error_kind():
     with pytest.raises(ValueError, match="'oops' is unknown; allowed: malformed"):
         StepResult("x", False, True, "oops")
+
+
+SHM_COUNTER = call("""
+import ctypes, os
+libc = ctypes.CDLL(None)
+libc.shmat.restype = ctypes.c_void_p
+counter = ctypes.c_int.from_address(libc.shmat(libc.shmget(0x5EED, 4, 0o1600), None, 0))
+counter.value += 1
+path = "/dev/shm/counter"
+seen = int(open(path).read()) if os.path.exists(path) else 0
+open(path, "w").write(str(seen + 1))
+print(counter.value, seen + 1)
+""")
+
+
+@needs_sandbox
+def test_a_tool_call_prints_the_same_whichever_worker_ran_earlier_calls(tool):
+    # The issue's counter in shared memory printed 1, 2, ... 7 across calls; each call now
+    # starts from nothing, however many calls each worker of the pool ran before.
+    first = tool.step(SHM_COUNTER)
+    later = tool.step_many([SHM_COUNTER] * 7)
+    assert first.error is None and "1 1" in first.observation
+    assert [step.observation for step in later] == [first.observation] * 7

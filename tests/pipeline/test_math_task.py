@@ -199,3 +199,20 @@ def test_a_grader_that_cannot_start_is_an_error_not_reward_zero(monkeypatch):
     monkeypatch.setattr(math_task, "LIMITS", broken)
     with pytest.raises(SandboxError, match="math_verify_not_installed"):
         MATH.verify(_problem("1"), "\\boxed{1}")
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "\\boxed{\\operatorname{__import__}('os').write(2, b'EXECUTED')}",
+        "the answer is __import__('os').write(2, b'EXECUTED')",
+        "the answer is (lambda: __import__('os').write(2, b'EXECUTED'))()",
+        "\\boxed{\\text{__import__('os').write(2, b'EXECUTED')}}",
+    ],
+)
+def test_model_text_is_parsed_never_run_by_the_grader(completion):
+    # math-verify's expression path reads only digits and operators, its LaTeX path is an
+    # ANTLR parser: the payload's side effect (a line on stderr) must never happen.
+    result = math_task.execute_many([math_task.grader_job(_problem("5"), completion, "N")])[0]
+    assert result.status == "ok" and result.stdout == "\nN 0\n"
+    assert "EXECUTED" not in result.stderr

@@ -529,3 +529,55 @@ def test_a_worker_that_dies_while_idle_is_replaced_not_handed_a_run():
         assert pool.execute("print('replaced')", "", Limits()).stdout == "replaced\n"
     finally:
         pool.close()
+
+
+# Run 1 plants one of each kind of inter-process object under a fixed name or key; run 2,
+# in the same worker, looks for them. ctypes: the stdlib has no System V or mqueue calls.
+IPC_PLANT = """
+import ctypes, os
+from multiprocessing import shared_memory
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+shm = libc.shmget(0x5EED, 4096, 0o1600)  # IPC_CREAT | 0600
+ctypes.memmove(libc.shmat(shm, None, 0), b"counter=7", 9)
+msq = libc.msgget(0x5EED, 0o1600)
+message = ctypes.create_string_buffer(b"\\x01\\0\\0\\0\\0\\0\\0\\0hello", 13)
+assert libc.msgsnd(msq, message, 5, 0) == 0
+sem = libc.semget(0x5EED, 1, 0o1600)
+assert libc.semctl(sem, 0, 16, 42) == 0  # SETVAL
+posix = shared_memory.SharedMemory("rlax-probe", create=True, size=16)
+posix.buf[:4] = b"kept"
+libc.sem_open.restype = ctypes.c_void_p
+assert libc.sem_open(b"/rlax-probe", os.O_CREAT, 0o600, 3)
+libc.mq_open.restype = ctypes.c_int
+print("mq_open", libc.mq_open(b"/rlax-probe", os.O_CREAT | os.O_RDWR, 0o600, None))
+print("planted", shm >= 0, msq >= 0, sem >= 0)
+"""
+IPC_LOOK = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print("sysv", libc.shmget(0x5EED, 0, 0), libc.msgget(0x5EED, 0), libc.semget(0x5EED, 0, 0))
+print("listed", [len(open(f"/proc/sysvipc/{k}").read().splitlines()) - 1
+                 for k in ("shm", "msg", "sem")])
+print("dev/shm", os.listdir("/dev/shm"))
+libc.sem_open.restype = ctypes.c_void_p
+print("sem_open", libc.sem_open(b"/rlax-probe", 0))
+print("mq_open", libc.mq_open(b"/rlax-probe", os.O_RDWR))
+"""
+
+
+def test_no_ipc_object_outlives_the_run():
+    pool = Pool(Limits(), size=1)  # one worker, so the second run goes where the first went
+    try:
+        planted = pool.execute(IPC_PLANT, "", Limits())
+        assert planted.status == "ok", planted.stderr
+        # A POSIX message queue cannot even be made (RLIMIT_MSGQUEUE 0), so none persists.
+        assert planted.stdout == "mq_open -1\nplanted True True True\n"
+        (worker,) = pool.idle_workers()
+        looked = pool.execute(IPC_LOOK, "", Limits())
+        assert looked.stdout == (
+            "sysv -1 -1 -1\nlisted [0, 0, 0]\ndev/shm []\nsem_open None\nmq_open -1\n"
+        ), looked.stderr
+        assert pool.idle_workers() == [worker]  # cleaned, and kept
+    finally:
+        pool.close()
