@@ -82,16 +82,16 @@ def model():
     opt = tx.init(params)
     for _ in range(150):
         params, opt, value = step(params, opt)
-    # Memorised: every completion token (turns and observations) has probability > 0.99
-    # (measured 0.995 at the least), so it is the argmax by a margin of log(0.99 / 0.01)
-    # ~ 4.6 nats, which no float rounding (~1e-6 on these logits) can close: greedy decoding
-    # reproduces the episode on any CPU. Training without sampling on one fixed sequence:
-    # rounding moves the result by rounding amounts, not across this bound.
+    # Memorised: every completion token (turns and observations) has probability > 0.98,
+    # so it is the argmax by a margin of log(0.98 / 0.02) ~ 3.9 nats, which no float
+    # rounding (~1e-6 on these logits) can close: greedy decoding reproduces the episode on
+    # any CPU. This is training without sampling on one fixed sequence, so rounding moves
+    # the result a little (the least p was 0.993-0.995 under four ISA caps), not across 0.98.
     positions = jnp.maximum(jnp.cumsum(mask, -1) - 1, 0)
     logits = nnx.merge(graphdef, params)(tokens, positions, mask)[0][0, : len(ids) - 1]
     p_next = jax.nn.softmax(logits)[jnp.arange(len(ids) - 1), tokens[0, 1 : len(ids)]]
     first = len(TOK.encode_prompt(PROBLEM.prompt)) - 1  # the completion's first prediction
-    assert float(p_next[first:].min()) > 0.99, float(p_next[first:].min())
+    assert float(p_next[first:].min()) > 0.98, float(p_next[first:].min())
     nnx.update(model, params)
     return model
 
@@ -180,9 +180,9 @@ def test_a_resumed_turn_equals_a_fresh_prefill_of_the_whole_history(model, engin
 
     Why it holds on any CPU: the comparison is between two computations on one machine;
     that later turns exist to compare is an outcome of sampling, made near-certain by the
-    memorised episode (each of its tokens has p > 0.99, so a row leaves it in the ~30
-    sampled tokens before its second call with probability < 0.26, 0.14 at the measured
-    p >= 0.995) and four rows (all four leave it with < 0.005, 4e-4 as measured)."""
+    memorised episode (each of its tokens has p > 0.98, measured >= 0.993, so a row leaves
+    it in the ~30 sampled tokens before its second call with probability < 0.19 as
+    measured) and four rows (all four leave it with < 1.5e-3)."""
     env = make_environment(ENV)
     prompt = TOK.encode_prompt(PROBLEM.prompt)
     ks = keys(4, seed=11)
@@ -250,7 +250,7 @@ def test_a_tool_batch_is_the_same_bytes_however_often_it_is_made(model, tmp_path
 
     Why it holds on any CPU: the problem set is the memorised problem only and sampling is
     greedy, so every row is the memorised episode (each of its tokens is the argmax by the
-    margin the `model` fixture checks, p > 0.99), with exactly three tool calls; the byte
+    margin the `model` fixture checks, p > 0.98), with exactly three tool calls; the byte
     identity compares two makes on the same machine."""
     from pipeline.paramserver import ParamServer
     from pipeline.rollouts import from_parquet_bytes
