@@ -20,6 +20,15 @@ from pipeline.run import Run
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def xla_flags_with_devices(n: int) -> str:
+    """XLA_FLAGS for a child process with `n` fake CPU devices, keeping the flags this
+    process was given (the portability lane's `--xla_cpu_max_isa` cap must reach it)."""
+    import os
+
+    kept = os.environ.get("XLA_FLAGS", "")
+    return f"{kept} --xla_force_host_platform_device_count={n}".strip()
+
+
 def tiny_config(*overrides: str) -> RunConfig:
     return load_config(ROOT / "configs/tiny.yaml", list(overrides))
 

@@ -303,8 +303,10 @@ def test_tiny_run_with_judging(tiny_base, tmp_path):
     from pipeline.leases import BatchLeases
 
     leases = BatchLeases(run.store, ttl_seconds=30)
+    mixed = {}  # batch index -> whether some group's rewards differ (a policy gradient)
     for index in range(3):
         batch = worker.generate_batch(index, 0)
+        mixed[index] = bool(np.ptp(batch.reward.reshape(-1, g), axis=1).max() > 0)
         assert len(batch) == p * g
         judge = batch.is_judge()
         assert judge.sum() == g * cfg.rollout.judge_groups() == g  # 1 judge group of 4
@@ -336,7 +338,10 @@ def test_tiny_run_with_judging(tiny_base, tmp_path):
     for rec in train:
         assert 0.0 <= rec["judge_reward_mean"] <= 1.0 and 0.0 <= rec["solve_reward_mean"] <= 1.0
         assert rec["judge_groups"] == 1 and rec["groups"] == p
-        assert np.isfinite(rec["loss"]) and rec["grad_norm"] > 0
+        # Which groups are mixed depends on the sampled tokens (the CPU's rounding): an
+        # all-constant batch has no policy gradient, so the gradient is checked where the
+        # batch has one.
+        assert np.isfinite(rec["loss"]) and (rec["grad_norm"] > 0 or not mixed[rec["batch_index"]])
         assert rec["logprob_absdiff_max"] < 1e-4 or rec["staleness"] > 0  # sampler = trainer
         want = (rec["solve_reward_mean"] * (p - 1) + rec["judge_reward_mean"]) / p
         assert rec["reward_mean"] == pytest.approx(want, abs=1e-6)

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from tests.runs import xla_flags_with_devices
 from tpu_jobs import mesh as M
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +76,6 @@ def test_mesh_shapes_and_errors():
 
 SCRIPT = r"""
 import json, os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp, numpy as np, optax
 from pipeline.config import ModelConfig
 from tpu_jobs import mesh as M
@@ -197,7 +197,7 @@ print("RESULT" + json.dumps(out))
 def run_on_eight_devices(script: str, *args: str) -> dict:
     """Run `script` in a fresh interpreter with 8 fake CPU devices (XLA reads the flag
     only at start-up); it prints one line "RESULT" + JSON, returned parsed."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags_with_devices(8)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-c", script, *args],
@@ -305,7 +305,6 @@ def test_sampler_noise_drawn_up_front_equals_categorical():
 
 ROLES_SCRIPT = r"""
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, numpy as np
 from flax import nnx
 from pipeline.config import MeshConfig

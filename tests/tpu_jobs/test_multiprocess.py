@@ -29,7 +29,13 @@ from pipeline.paramserver import ParamServer
 from pipeline.run import DONE_KEY
 from pipeline.storage import local_path
 from tests.local_servers import free_port
-from tests.runs import commit_with_random_rewards, final_tensors, plain_and_variants, wait_all
+from tests.runs import (
+    commit_with_random_rewards,
+    final_tensors,
+    plain_and_variants,
+    wait_all,
+    xla_flags_with_devices,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROCESSES, LOCAL_DEVICES = 2, 4
@@ -44,7 +50,7 @@ def launch(argv: list[str], logs: Path, name: str) -> dict[str, subprocess.Popen
     for i in range(PROCESSES):
         env = {
             **os.environ,
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+            "XLA_FLAGS": xla_flags_with_devices(LOCAL_DEVICES),
             "JAX_PLATFORMS": "cpu",
             "RLAX_COORDINATOR": f"127.0.0.1:{port}",
             "RLAX_NUM_PROCESSES": str(PROCESSES),
