@@ -35,6 +35,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from pipeline import launcher
 from pipeline.config import load_config
@@ -249,8 +250,17 @@ def _field_value(text: str) -> tuple[str, float]:
         ) from None
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a command-line mistake is one line (exit 2) like every other bad input:
+    the usage block argparse prints first (11 lines for `rlax sandbox serve`) buried the
+    line that says what was wrong; `--help` still shows it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog="rlax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
