@@ -18,6 +18,10 @@ import pytest
 from pipeline.paramserver import ParamServer
 from tests.runs import assert_bit_identical, clone_run, final_tensors, start, wait_all
 
+# Ten trainer and worker processes (~2 CPU-minutes): a lane of .ci/run after `make test`
+# (`pytest -m integrity`), so the default suite stays within its 12 minutes on 2 cores.
+pytestmark = pytest.mark.integrity
+
 STEPS = 8
 
 
