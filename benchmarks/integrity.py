@@ -286,14 +286,25 @@ FAULTS = [
 ]
 
 
+def _node_ids(prefixes: list[str]) -> list[str]:
+    """The collected test ids that a fault's prefix selects (an id, a file, or the start
+    of test names such as `test_config.py::test_init_`, which pytest cannot take as is)."""
+    files = sorted({p.split("::")[0] for p in prefixes})
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", *files]
+    listed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    return [i for i in ids if any(i == p or i.startswith(p) for p in prefixes)]
+
+
 def run_tests(faults: list[Fault], xml: Path) -> dict[str, tuple[str, float]]:
     """{test prefix: (passed | failed (n) | missing, seconds)} from one pytest run."""
     ids = sorted({f.test for f in faults})
     # -m "": the listed ids run whatever lane marks them (pyproject's addopts would skip
     # the `integrity` lane's tests).
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", ""]
+    cmd += ["-n", "2", "--dist", "loadfile"]  # whole files a worker: module fixtures once
     cmd.append(f"--junitxml={xml}")
-    subprocess.run([*cmd, *ids], cwd=ROOT, check=False)
+    subprocess.run([*cmd, *_node_ids(ids)], cwd=ROOT, check=False)
     cases = []
     for case in ET.parse(xml).getroot().iter("testcase"):
         path = case.get("classname", "").replace(".", "/") + ".py"
