@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -146,3 +149,16 @@ def commit_with_random_rewards(
             batch.batch_index, to_parquet_bytes(batch)
         )
     return batch
+
+
+def inspect_wandb(path: Path) -> list[dict]:
+    """The records of a W&B offline run file (.wandb), as W&B's own reader prints them
+    (`wandb leet inspect --json`, the supported reader since the datastore API went)."""
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]

@@ -1,7 +1,9 @@
 """A tiny run end to end: SFT, then a trainer and a rollout worker as separate processes
 meeting only through the run directory, then evaluation and the report."""
 
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -11,6 +13,7 @@ from pipeline.paramserver import ParamServer
 from pipeline.problem_sets import write_data
 from pipeline.rollouts import from_parquet_bytes
 from pipeline.run import DONE_KEY, Run
+from tests.runs import inspect_wandb
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,3 +78,65 @@ def test_tiny_run_trainer_and_worker_processes(tmp_path):
     assert "pass@1" in md and "maj@4" in md
     assert len(run.store.read("report/curves.png")) > 1000
     assert time.time() - t0 < 120
+    _tracked_in_wandb_as_recorded(run, tmp_path / "wandb")
+
+
+def _tracked_in_wandb_as_recorded(run: Run, wandb_dir: Path) -> None:
+    """This real run's records, exported to W&B offline (tests/pipeline/test_tracking.py
+    checks every field and the resume on planted records; here the roles wrote them): the
+    trainer's loss and reward per step, the rollout reward per committed batch and the
+    evaluator's pass@1 with its interval per version, read back with W&B's own reader."""
+    from pipeline.config import override_section
+    from pipeline.tracking import export
+
+    cfg = override_section(
+        run.config.tracking,
+        "tracking",
+        [
+            "tracking.backends=[wandb]",
+            "tracking.wandb_mode=offline",
+            f"tracking.wandb_dir={wandb_dir}",
+        ],
+    )
+    with _env(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(wandb_dir)):
+        logged = export(run, cfg, log=print)
+    (path,) = wandb_dir.glob("wandb/offline-run-*/run-*.wandb")
+    got: dict[str, set[tuple[float, float]]] = {}
+    for rec in inspect_wandb(path):
+        if rec["type"] == "history":
+            item = rec["history"]["item"]
+            axes = [a for a in ("train/step", "eval/version", "rollout/batch_index") if a in item]
+            if not axes:
+                continue  # another stream (SFT's steps): not compared here
+            x = item[axes[0]]
+            for tag, value in item.items():
+                got.setdefault(tag, set()).add((float(x), float(value)))
+    want: dict[str, set[tuple[float, float]]] = {}
+    for r in run.read_metrics("train"):
+        for f in ("loss", "reward_mean"):
+            want.setdefault(f"train/{f}", set()).add((r["step"], r[f]))
+    for r in run.read_metrics("eval"):
+        for end, key in (("", "mean"), ("/lo", "lo"), ("/hi", "hi")):
+            want.setdefault(f"eval/pass_at_1{end}", set()).add(
+                (r["version"], r["metrics"]["pass@1"][key])
+            )
+    rollouts = [r for r in run.read_metrics("rollout") if r.get("committed", True)]
+    for r in rollouts:
+        want.setdefault("rollout/reward_mean", set()).add((r["batch_index"], r["reward_mean"]))
+    assert logged["wandb"] >= len(want["train/loss"]) + 2 + len(rollouts)  # + SFT's
+    for tag, points in want.items():
+        assert got[tag] == {(float(x), float(v)) for x, v in points}, tag
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

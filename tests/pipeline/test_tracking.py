@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -23,7 +22,7 @@ from pipeline.tracking import (
     run_key,
     tracked_runs,
 )
-from tests.runs import tiny_config
+from tests.runs import inspect_wandb, tiny_config
 
 BIN = Path(sys.executable).parent
 
@@ -263,18 +262,6 @@ def test_a_failing_tracker_is_logged_once_never_raises_and_is_retried_later(
 
 
 # -- Weights & Biases (offline) ----------------------------------------------------------
-
-
-def inspect_wandb(path: Path) -> list[dict]:
-    """The records of a .wandb file, as W&B's own reader prints them."""
-    out = subprocess.run(
-        [str(BIN / "wandb"), "leet", "inspect", "--json", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
 
 def test_wandb_offline_files_hold_the_records_and_a_resume_continues_the_same_run(tmp_path):
