@@ -36,6 +36,7 @@ the sinks only, so this module stays light (the config and the Airflow plugin im
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import os
@@ -127,7 +128,7 @@ def exported_record(stream: str, record: dict[str, Any]) -> bool:
 # -- the sinks ---------------------------------------------------------------------------
 
 
-class Sink:
+class Sink(abc.ABC):
     """A backend. `sync()` logs what is new and returns how many records it logged."""
 
     name = ""
@@ -135,10 +136,11 @@ class Sink:
     def __init__(self, run: Run, cfg: TrackingConfig, log: Log) -> None:
         self.run, self.cfg, self.log = run, cfg, log
 
+    @abc.abstractmethod
     def sync(self) -> int:
-        raise NotImplementedError
+        """Log the records not logged yet; return how many."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook: nothing to release by default)
         """Flush and release the backend (the tracked run continues on the next export)."""
 
 
@@ -178,27 +180,29 @@ class TrackerSink(Sink):
         self.tracked: TrackedRun | None = None
 
     # What a tracker implements.
+    @abc.abstractmethod
     def create(self, params: dict[str, str]) -> TrackedRun:
         """A new tracked run with these parameters (or only its id, where the tracker
         creates it on `attach`)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def attach(self, tracked: TrackedRun, params: dict[str, str] | None) -> None:
         """Log to `tracked` from now on; `params` when this exporter just created it."""
-        raise NotImplementedError
 
     def discard(self, tracked: TrackedRun) -> None:
         """Remove a run this exporter created but lost the create-only race for."""
 
+    @abc.abstractmethod
     def log_points(self, points: list[Point]) -> None:
-        raise NotImplementedError
+        """Log metric points to the attached run."""
 
+    @abc.abstractmethod
     def set_weight_version(self, version: int) -> None:
-        raise NotImplementedError
+        """Tag the attached run with the newest weight version."""
 
+    @abc.abstractmethod
     def log_report(self, files: dict[str, Path]) -> None:
         """Log `report/` files (name -> local file) as artifacts."""
-        raise NotImplementedError
 
     def finish(self) -> None:
         """The trainer is done and everything is exported: mark the tracked run finished."""
