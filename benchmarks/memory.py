@@ -1,6 +1,6 @@
 """Memory of the project's real programs at real model shapes, from XLA's own analysis.
 
-Compiles (never runs) the trainer's whole step (`tpu_jobs.memory.train_step_memory`: the
+Compiles (never runs) the trainer's whole step (`tpu_jobs.learning.memory.train_step_memory`: the
 fused GRPO step, forward + loss + backward + AdamW) and the sampler's generate program
 (`sampler_memory`) for Qwen2.5 shapes, with abstract inputs, and tabulates
 `compiled.memory_analysis()`: temporaries and arguments, in GiB per device. Each setting
@@ -10,7 +10,7 @@ is a row, so each item's effect on the same shape is visible:
   [B, T, V] logits stored for the backward pass: the project before chunking.
 * `chunked head` (logits_chunk=512): log-probs from the head in chunks, recomputed.
 * `+ remat full` / `+ remat dots` (model.remat): a scan over the layers, each under
-  `jax.checkpoint` (tpu_jobs/model.py says why a scan).
+  `jax.checkpoint` (tpu_jobs/model/transformer.py says why a scan).
 * `+ bf16` (model.dtype=bfloat16): bfloat16 compute, float32 master weights.
 * `+ chunked attention` (model.attention=chunked): attention over blocks of 512 queries,
   each recomputed in the backward pass, so one block's probabilities exist at once. On
@@ -18,7 +18,7 @@ is a row, so each item's effect on the same shape is visible:
   compiled on a CPU.
 
 `--fsdp N` compiles the train-step rows on a mesh of N fake CPU devices with
-mesh.trainer = [1, N, 1] (FSDP; the activation constraints of tpu_jobs/constraints.py):
+mesh.trainer = [1, N, 1] (FSDP; the activation constraints of tpu_jobs/model/constraints.py):
 the figures are per device. Sampler rows: `float32` / `bfloat16`, and `kv budget` rows
 under sampler.kv_token_budget (`--kv-budget`, token slots per generate program).
 
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.fsdp:  # before jax is imported: XLA reads the flag at start-up
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.fsdp}"
-    from tpu_jobs import mesh as meshlib
-    from tpu_jobs.memory import qwen25_overrides, sampler_memory, train_step_memory
+    from tpu_jobs.learning.memory import qwen25_overrides, sampler_memory, train_step_memory
+    from tpu_jobs.model import mesh as meshlib
 
     def config(shape: str, tokens: int, extra: list[str]):
         return load_config(

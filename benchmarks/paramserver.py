@@ -8,7 +8,7 @@
   timings; the table gives medians.
 * GCS emulator (fake-gcs-server, in-memory, on 127.0.0.1): push and pull of a
   `--gcs-size-mib` snapshot through `GCSStore` (HTTP, crc32c on both ends).
-* Pull latency of the `demo` model preset (tpu_jobs.model init_model + flat_params): what a
+* Pull latency of the `demo` model preset (tpu_jobs.model.transformer init_model + flat_params): what a
   rollout worker pays for a new policy version (LATEST read + manifest + shards + verify).
 
     .venv/bin/python benchmarks/paramserver.py [--size-mib 1024] [--gcs-size-mib 128]
@@ -190,7 +190,7 @@ def bench_gcs(
 def bench_demo_pull(stores: dict[str, object], repeats: int) -> dict[str, dict]:
     """Worker-side latency for the demo preset: latest_version() + pull(), median/p90."""
     from pipeline.config import ModelConfig
-    from tpu_jobs.model import flat_params, init_model
+    from tpu_jobs.model.transformer import flat_params, init_model
 
     flat = {
         k: np.asarray(v) for k, v in flat_params(init_model(ModelConfig(preset="demo"), 0)).items()

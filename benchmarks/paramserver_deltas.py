@@ -1,6 +1,6 @@
 """Delta versions of the parameter server, measured on a real RL run.
 
-1. A real RL run (trainer + one rollout worker as processes, `pipeline.launcher`) of the
+1. A real RL run (trainer + one rollout worker as processes, `pipeline.ops.launcher`) of the
    `--preset` model (default `100m`) for `--steps` steps at the demo's learning rate and
    schedule (configs/demo.yaml), publishing every step in bfloat16 (`paramserver.dtype`)
    as deltas with a full snapshot every `--full-every` versions. The base is the preset's
@@ -41,8 +41,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import launcher, weight_codec  # noqa: E402
+from pipeline import weight_codec  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
+from pipeline.ops import launcher  # noqa: E402
 from pipeline.paramserver import ParamServer, Snapshot  # noqa: E402
 from pipeline.problem_sets import write_data  # noqa: E402
 from pipeline.run import Run, base_server, weights_server  # noqa: E402
@@ -76,7 +77,7 @@ def rl_run(args, root: Path) -> Run:
     )
     run = Run.create(str(root / "run"), cfg)
     write_data(run)
-    from tpu_jobs.model import flat_params, init_model
+    from tpu_jobs.model.transformer import flat_params, init_model
 
     base = base_server(run)
     flat = {k: np.asarray(v) for k, v in flat_params(init_model(cfg.model, cfg.seed)).items()}

@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from pipeline.config import ModelConfig
-from tpu_jobs.model import init_model, param_count
-from tpu_jobs.sampler import Sampler
+from tpu_jobs.generate.static import Sampler
+from tpu_jobs.model.transformer import init_model, param_count
 
 BATCH, NEW, PROMPT = 64, 64, 16
 RESULTS = Path(__file__).parent / "results" / "sampler.md"

@@ -230,7 +230,7 @@ class Service:
     def start(self) -> RemoteSandbox:
         token = secrets.token_hex(16)
         env = dict(os.environ, RLAX_SANDBOX_TOKEN=token, PYTHONPATH=str(ROOT))
-        cmd = [sys.executable, "-m", "pipeline.cli", "sandbox", "serve", "--port", "0"]
+        cmd = [sys.executable, "-m", "pipeline.ops.cli", "sandbox", "serve", "--port", "0"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         for line in self.proc.stdout:
             if match := re.search(r"serving (http://\S+)", line):

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipeline.config import load_config
-from tpu_jobs.model import param_count
+from tpu_jobs.model.transformer import param_count
 from tpu_jobs.trainer import Learner, StepInputs
 
 RESULTS = Path(__file__).parent / "results"

@@ -23,7 +23,7 @@ from airflow.sdk import Param, dag, get_current_context, task
 
 from dags.params import SOURCE_SCHEMAS, resolve_root
 from dags.stage import DEFAULT_ARGS, run_command
-from pipeline.launcher import JobFailed, curate_command
+from pipeline.ops.launcher import JobFailed, curate_command
 
 _GLOBS = {"type": "string", "minLength": 1}
 

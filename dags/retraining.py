@@ -130,8 +130,9 @@ def rlax_retraining():
         """Curate the logical date's new data into the child run; skip if there is none."""
         from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-        from pipeline import launcher, storage
-        from pipeline.launcher import JobFailed
+        from pipeline import storage
+        from pipeline.ops import launcher
+        from pipeline.ops.launcher import JobFailed
         from pipeline.run import CURATED_PREFIX, Run, RunError
 
         ds, parent_url, root = _where()

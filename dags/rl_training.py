@@ -16,7 +16,7 @@
 * **report**: `report/report.md` + `report/curves.png` in the run directory.
 
 Tasks pass only the run URL through XCom. Each task starts its job as a process (the
-command line of `pipeline.launcher`), streams its output into the task log and fails
+command line of `pipeline.ops.launcher`), streams its output into the task log and fails
 with it. Retries (exponential backoff) resume: the trainer from its newest checkpoint,
 workers by re-claiming leases; batches and versions are create-only. The trainer and all
 workers hold an executor slot for the whole RL stage: keep workers + 1 within
@@ -31,7 +31,8 @@ from airflow.sdk import dag, get_current_context, task
 
 from dags.params import config_from_params, rl_params, run_url_for
 from dags.stage import DEFAULT_ARGS, add_rl_stage, run_command, run_role
-from pipeline import launcher
+from pipeline.layout import worker_ids
+from pipeline.ops import launcher
 
 
 @dag(
@@ -54,7 +55,7 @@ def rlax_rl_training():
 
         from pipeline.config import ConfigError
         from pipeline.data_job import BAD_INPUT
-        from pipeline.launcher import JobFailed
+        from pipeline.ops.launcher import JobFailed
         from pipeline.run import CURATED_PREFIX, Run, RunError
 
         ctx = get_current_context()
@@ -92,7 +93,7 @@ def rlax_rl_training():
             run_command(launcher.hf_import_command(hf, run_url), name="hf-import")
         else:
             run_role("sft", run_url)
-        return launcher.worker_ids(run.config.workers)  # the rollout workers to map over
+        return worker_ids(run.config.workers)  # the rollout workers to map over
 
     run_url = curate()
     add_rl_stage(run_url, bootstrap(run_url), dag_id="rlax_rl_training")

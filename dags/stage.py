@@ -1,6 +1,6 @@
 """The RL stage every training DAG shares: train + rollout workers >> orm >> evaluate >> report.
 
-Every task starts its job through `pipeline.launcher` (the same command a laptop run or a
+Every task starts its job through `pipeline.ops.launcher` (the same command a laptop run or a
 cluster pod runs), which streams the job's output into the task log and fails the task
 when the job fails. Tasks hand each other the run URL through XCom, never arrays: the run
 directory (or bucket prefix) is the only shared state.
@@ -50,14 +50,14 @@ TAG = "[airflow]"
 
 def run_role(role: str, run_url: str, extra: tuple[str, ...] = (), **kw: Any) -> None:
     """The job of `role` for the run, streamed into the task log."""
-    from pipeline import launcher
+    from pipeline.ops import launcher
 
     launcher.stream_role(role, run_url, extra, tag=TAG, **kw)
 
 
 def run_command(cmd: list[str], *, name: str, **kw: Any) -> None:
     """A job without a role (curation, HF import), streamed into the task log."""
-    from pipeline import launcher
+    from pipeline.ops import launcher
 
     launcher.stream(cmd, name=name, tag=TAG, **kw)
 
@@ -85,7 +85,7 @@ def _partner_body(
     from airflow.sdk.exceptions import AirflowFailException
 
     from pipeline.abort import clear_stale_abort, read_abort, write_abort
-    from pipeline.launcher import JobFailed, JobStopped
+    from pipeline.ops.launcher import JobFailed, JobStopped
     from pipeline.run import Run
 
     run = Run.open(run_url)

@@ -7,7 +7,7 @@
 - `PRESETS`: the algorithms (a LossSpec each) and `ROLLOUT_PRESETS`, their rollout side.
 
 `pipeline.config` validates the run config's overrides against this module;
-`tpu_jobs.losses` registers the JAX implementation of every part under these names
+`tpu_jobs.learning.losses` registers the JAX implementation of every part under these names
 (`implementations`), so neither re-lists a name.
 """
 
@@ -28,7 +28,7 @@ from pipeline.errors import ConfigError, check, one_of_text
 
 @dataclass(frozen=True)
 class Part:
-    """A named part of the objective (its implementation lives in `tpu_jobs.losses`)."""
+    """A named part of the objective (its implementation lives in `tpu_jobs.learning.losses`)."""
 
     summary: str
 

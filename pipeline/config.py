@@ -91,17 +91,17 @@ class ModelConfig:
     # evaluator, pass-rate job) take sampler.dtype.
     dtype: str = "float32"
     # Tokens (rows x positions, flattened) whose LM-head logits exist at once when log-probs
-    # and entropies are taken (trainer, SFT, ORM; tpu_jobs.lm_head): the head runs chunk by
+    # and entropies are taken (trainer, SFT, ORM; tpu_jobs.model.lm_head): the head runs chunk by
     # chunk, recomputed in the backward pass, so no [batch, seq, vocab] array is stored.
     # 0: all tokens at once (dense). Any value gives the same numbers up to float rounding.
     logits_chunk: int = 512
-    # Rematerialisation of each decoder layer in training forwards (tpu_jobs.model.REMAT):
+    # Rematerialisation of each decoder layer in training forwards (tpu_jobs.model.transformer.REMAT):
     # "none" stores every layer's activations for the backward pass; "full" stores only
     # each layer's input and recomputes the rest; "dots" also keeps the matmul outputs
     # without a batch dimension (recomputes the cheap element-wise work). Same numbers;
     # memory against time, benchmarks/results/memory.md.
     remat: str = "none"
-    # Attention of training forwards (tpu_jobs.model.ATTENTION): "dense" (the
+    # Attention of training forwards (tpu_jobs.model.transformer.ATTENTION): "dense" (the
     # project's einsums; probabilities [B, heads, T, T] in float32), "chunked" (the same
     # einsums over blocks of attention_chunk queries, each recomputed in the backward
     # pass: one block's probabilities at a time; any platform), or
@@ -269,9 +269,9 @@ class SFTConfig:
         _one_of("sft.judge_labels", self.judge_labels, ("random", "verifier", "balanced"))
 
 
-# sampler.engine -> what generates (tpu_jobs.samplers.SAMPLERS): "jax" the
-# continuous-batching engine (tpu_jobs.engine), "static" the one-batch reference sampler
-# (tpu_jobs.sampler), "vllm" a vLLM server in its own virtualenv (tpu_jobs.vllm_sampler).
+# sampler.engine -> what generates (tpu_jobs.generate.registry.SAMPLERS): "jax" the
+# continuous-batching engine (tpu_jobs.generate.engine), "static" the one-batch reference sampler
+# (tpu_jobs.generate.static), "vllm" a vLLM server in its own virtualenv (tpu_jobs.generate.vllm_sampler).
 SAMPLER_ENGINES = ("jax", "static", "vllm")
 
 
@@ -301,8 +301,8 @@ class SamplerConfig:
     # pass-rate job (bfloat16 on accelerators; the trainer's recomputed log-probs and TIS
     # absorb the difference, tests/tpu_jobs/test_alignment.py measures it).
     dtype: str = "float32"
-    # Which sampler generates (tpu_jobs/samplers.py): "jax", the continuous-batching
-    # engine (tpu_jobs/engine.py: slots refilled between decode chunks, a paged KV cache,
+    # Which sampler generates (tpu_jobs/generate/registry.py): "jax", the continuous-batching
+    # engine (tpu_jobs/generate/engine.py: slots refilled between decode chunks, a paged KV cache,
     # one prefill per prompt group), or "static", the batch-at-once reference sampler.
     engine: str = "jax"
     slots: int = 64  # the engine's rows decoding at once
@@ -395,7 +395,7 @@ def _fold_loss_keys(data: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """The RL trainer: one objective assembled from named parts (`tpu_jobs.losses`).
+    """The RL trainer: one objective assembled from named parts (`tpu_jobs.learning.losses`).
 
     `algorithm` picks a preset of `pipeline.algorithms.PRESETS` (and of its
     ROLLOUT_PRESETS); `loss` holds the explicit overrides of that preset's LossSpec fields
@@ -436,7 +436,7 @@ class TrainerConfig:
     # One jitted program per step (forward, loss, backward, update) instead of the chain of
     # programs shared by all objectives; measured slower on XLA:CPU (benchmarks/trainer.py).
     fused_step: bool = False
-    # Sequence packing (tpu_jobs/packing.py): the rows' real tokens laid end to end in
+    # Sequence packing (tpu_jobs/learning/packing.py): the rows' real tokens laid end to end in
     # fewer rows, kept apart by segment ids, so the forward and backward skip most padding
     # of a ragged batch; the same numbers up to float rounding (benchmarks/packing.py).
     pack: bool = False
@@ -707,7 +707,7 @@ class SandboxConfig:
 
 @dataclass(frozen=True)
 class EnvironmentConfig:
-    """Multi-turn episodes with a tool (`pipeline.environments`, `tpu_jobs.episodes`).
+    """Multi-turn episodes with a tool (`pipeline.environments`, `tpu_jobs.generate.episodes`).
 
     name: the environment (`pipeline.environments.ENVIRONMENTS`): "none" (the default)
         samples one turn per completion as before; "python" lets a turn call the Python
@@ -766,12 +766,12 @@ class EnvironmentConfig:
         return self.failed_call_penalty * self.max_turns if self.multi_turn else 0.0
 
 
-MESH_AXES = ("data", "fsdp", "tensor")  # = tpu_jobs.mesh.AXES (this module imports no jax)
+MESH_AXES = ("data", "fsdp", "tensor")  # = tpu_jobs.model.mesh.AXES (this module imports no jax)
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device meshes of the roles (`tpu_jobs/mesh.py`, docs/scaling.md).
+    """Device meshes of the roles (`tpu_jobs/model/mesh.py`, docs/scaling.md).
 
     A shape is (data, fsdp, tensor); one entry may be -1 (all remaining devices). None
     (the default) = one device, nothing sharded. `trainer` places the train state and
@@ -779,7 +779,7 @@ class MeshConfig:
     must be multiples of data * fsdp); `sampler` is the mesh of the rollout workers, the
     evaluator and pass-rate jobs (usually (-1, 1, 1): data parallel; never fsdp). Each role
     is normally its own process and uses all of its devices; roles sharing a process get
-    disjoint device slices (`tpu_jobs.mesh.config_meshes`). `distributed`: the trainer
+    disjoint device slices (`tpu_jobs.model.mesh.config_meshes`). `distributed`: the trainer
     calls `jax.distributed.initialize` first (multi-host: coordinator from RLAX_COORDINATOR
     / RLAX_NUM_PROCESSES / RLAX_PROCESS_ID, else auto-detected on TPU pods, Slurm, Open MPI).
     """

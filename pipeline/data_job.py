@@ -1,7 +1,7 @@
 """The `data` job: write a run's train/held-out problem sets (`pipeline.problem_sets`).
 
 `python -m pipeline.data_job --run URL [--curated]`; the DAGs start it through
-`pipeline.launcher` like every other job. Skipped when the data is already there.
+`pipeline.ops.launcher` like every other job. Skipped when the data is already there.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ HF_PREFIX = "hf"  # under base/: the imported checkpoint's config.json and token
 ROLLOUTS_PREFIX = "rollouts"  # batches and their leases (pipeline.rollouts)
 METRICS_PREFIX = "metrics"  # metrics/<stream>/<index>.json (`Run.log_metrics`)
 CHECKPOINTS_PREFIX = "checkpoints"  # the trainer's Orbax checkpoints
-# Content manifests of the trainer's verified checkpoints (tpu_jobs/checkpoints.py).
+# Content manifests of the trainer's verified checkpoints (tpu_jobs/learning/checkpoints.py).
 CHECKPOINT_MANIFESTS = "checkpoint_manifests"
 PASS_RATES_PREFIX = "pass_rates"  # tpu_jobs.pass_rates
 REPORT_PREFIX = "report"  # report.md and its plots (pipeline.report)
@@ -26,3 +26,8 @@ DONE_KEY = "trainer/DONE.json"  # written by the trainer when its last step is d
 ABORT_KEY = "airflow/ABORT.json"  # the RL stage gave up for good (pipeline.abort)
 LINEAGE_KEY = "lineage.json"  # a retraining child's pinned base (pipeline.lineage)
 SPLITS = ("train", "eval")
+
+
+def worker_ids(n: int) -> list[str]:
+    """The names of a run's `n` rollout workers (their leases and logs carry them)."""
+    return [f"worker{i}" for i in range(n)]

@@ -173,6 +173,6 @@ def eval_set_url(parent_run) -> str:
 
 
 def worker_ids_of(run) -> Sequence[str]:
-    from pipeline.launcher import worker_ids
+    from pipeline.layout import worker_ids
 
     return worker_ids(run.config.workers)

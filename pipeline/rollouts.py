@@ -14,7 +14,7 @@ verdict tokens; `behaviour_logprobs` are 0 where the mask is 0. Both columns are
 a batch written before them (or a row with a null mask) reads as all "solve" with an
 all-ones mask.
 
-Tool episodes (`environment.name` other than "none", `tpu_jobs.episodes`): a row's
+Tool episodes (`environment.name` other than "none", `tpu_jobs.generate.episodes`): a row's
 `completion_ids` hold all its turns and the observations appended between them
 (`pipeline.tool_calls`); `loss_mask` is 1 on sampled tokens and 0 on observation tokens,
 whose `behaviour_logprobs` are 0. `turns` is the number of generated turns, `tool_calls`

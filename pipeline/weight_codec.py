@@ -82,7 +82,7 @@ def cast_for_publish(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np
 
 def split_pieces(arr: np.ndarray, axis: int | None, parts: int) -> list[np.ndarray]:
     """The ``parts`` pieces of ``arr`` along ``axis`` (each C-contiguous); ``[arr]`` when
-    ``axis`` is None. The axis must divide evenly (``tpu_jobs.mesh.split_axes`` only names
+    ``axis`` is None. The axis must divide evenly (``tpu_jobs.model.mesh.split_axes`` only names
     such axes)."""
     if axis is None or parts == 1:
         return [arr]

@@ -68,7 +68,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def _fake_gcs_binary() -> Path | None:
-    from pipeline.stack import fake_gcs_binary
+    from pipeline.ops.stack import fake_gcs_binary
 
     return fake_gcs_binary()
 

@@ -4,13 +4,10 @@ coordinator) and an HTTP handler base that does not log each request."""
 from __future__ import annotations
 
 import http.server
-import socket
 
+from pipeline.net import free_port
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["QuietHandler", "free_port"]
 
 
 class QuietHandler(http.server.BaseHTTPRequestHandler):

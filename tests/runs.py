@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import launcher
 from pipeline.config import RunConfig, load_config
 from pipeline.leases import BatchLeases
+from pipeline.ops import launcher
 from pipeline.paramserver import ParamServer
 from pipeline.problem_sets import write_data
 from pipeline.rollouts import RolloutBatch, to_parquet_bytes
@@ -119,7 +119,7 @@ def plain_and_variants(
     published as v0 (for rollout workers; a trainer's re-publish is a no-op). Returns
     ({name: run}, the base model's flat tensors)."""
     from pipeline.run import base_server
-    from tpu_jobs.state import new_model, params_to_flat
+    from tpu_jobs.model.state import new_model, params_to_flat
 
     plain = Run.create(f"{root}/plain", tiny_config(*MESH_RUN_OVERRIDES))
     write_data(plain)

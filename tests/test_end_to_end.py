@@ -7,8 +7,8 @@ import os
 import time
 from pathlib import Path
 
-from pipeline import launcher
 from pipeline.config import load_config
+from pipeline.ops import launcher
 from pipeline.paramserver import ParamServer
 from pipeline.problem_sets import write_data
 from pipeline.rollouts import from_parquet_bytes

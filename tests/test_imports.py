@@ -109,7 +109,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def job_modules() -> set[str]:
     """Entry points: every launcher role, and the jobs started without one."""
-    from pipeline import launcher
+    from pipeline.ops import launcher
 
     return {*launcher.JOBS.values(), launcher.CURATE_MODULE, launcher.HF_MODULE}
 

@@ -7,7 +7,7 @@
 For each version: n samples per held-out problem, scored by the task verifiers;
 pass@k (unbiased estimator), maj@k and mean reward, each with a 95% bootstrap interval
 over problems. With `eval.self_prm` (default) every sample is also judged by the
-evaluated version itself (`tpu_jobs.judge.self_scores`: p(y) / (p(y) + p(n)) after the
+evaluated version itself (`tpu_jobs.model.judge.self_scores`: p(y) / (p(y) + p(n)) after the
 judge suffix), giving self_prm@k (best of the first k by self-score), judge_accuracy,
 judge_auc, judge_auc_within (the AUC among one problem's samples, averaged over problems
 with both outcomes: what reranking needs) and the judge's precision / recall by
@@ -62,13 +62,13 @@ from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
 from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.tasks import get_task
 from pipeline.tasks.datasets import DATASETS, load_dataset
-from tpu_jobs import mesh as meshlib
-from tpu_jobs.episodes import sample_rows
+from tpu_jobs.generate.episodes import sample_rows
+from tpu_jobs.generate.registry import make_sampler
+from tpu_jobs.generate.sample_verify import EVAL_STREAM, sample_keys, sampler_mesh
 from tpu_jobs.hf_tokenizer import run_tokenizer
-from tpu_jobs.judge import load_orm, self_scores
-from tpu_jobs.model import init_model, load_flat_params
-from tpu_jobs.samplers import make_sampler
-from tpu_jobs.sampling import EVAL_STREAM, sample_keys, sampler_mesh
+from tpu_jobs.model import mesh as meshlib
+from tpu_jobs.model.judge import load_orm, self_scores
+from tpu_jobs.model.transformer import init_model, load_flat_params
 
 JUDGE_THRESHOLD = 0.5  # a judge says "correct" when its score p(y)/(p(y)+p(n)) > this
 # Rerankers: metric prefix -> (per-sample score column, prefix of accuracy / auc metrics).

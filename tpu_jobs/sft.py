@@ -31,10 +31,10 @@ from pipeline.tasks import TASKS
 from pipeline.tasks.base import SyntheticTask
 from pipeline.tasks.judge import verdict_text
 from pipeline.tasks.mix import synthetic_task
-from tpu_jobs.batching import pack_rows, round_up
 from tpu_jobs.hf_tokenizer import run_tokenizer
-from tpu_jobs.judge import judged_completion_len, suffix_ids
-from tpu_jobs.state import make_optimizer, new_model, params_to_flat
+from tpu_jobs.model.batching import pack_rows, round_up
+from tpu_jobs.model.judge import judged_completion_len, suffix_ids
+from tpu_jobs.model.state import make_optimizer, new_model, params_to_flat
 
 BALANCED_TRIES = 16  # teacher draws per demonstration to find a wrong solution
 
@@ -109,7 +109,7 @@ def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completio
 
 def piece_ids(tok, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
     """Token ids of a teacher's pieces, each encoded on its own as a tool episode's turns
-    and observations are (`tpu_jobs.episodes`), and the loss mask: 1 on the pieces the
+    and observations are (`tpu_jobs.generate.episodes`), and the loss mask: 1 on the pieces the
     policy writes, 0 on the others (a tool's observation: context, not a target)."""
     ids: list[int] = []
     mask: list[int] = []
@@ -128,7 +128,7 @@ def sft_loss(fns, params, tokens, mask, comp_mask, prompt_len: int) -> jax.Array
     transcript with a tool's observations passes them with 0 in comp_mask (`pack_rows`'
     `loss_masks`): they stay in the sequence as context, attended to at their positions,
     but are not targets and do not count in the mean (tests/tpu_jobs/test_loss_mask.py).
-    `fns` is the model's functional form (`tpu_jobs.state.split_model`).
+    `fns` is the model's functional form (`tpu_jobs.model.state.split_model`).
     """
     logp = fns.logprobs(params, tokens, mask, first=prompt_len)  # completion positions
     return -(logp * comp_mask).sum() / jnp.maximum(comp_mask.sum(), 1.0)

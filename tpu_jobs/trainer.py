@@ -40,7 +40,7 @@ attention mask: masked tokens (a tool episode's observations, a judge row's judg
 solution) stay in the sequence and are attended to, but carry no loss, advantage, KL,
 entropy, value loss or statistic (pi_old / pi_behaviour alignment, IS ratios, clip
 fractions). How each algorithm treats them (token counts, GSPO's sequence ratio, GAE across
-an observation) is in `tpu_jobs.losses`; packing (`trainer.pack`) sees the attention mask
+an observation) is in `tpu_jobs.learning.losses`; packing (`trainer.pack`) sees the attention mask
 only and gives the same numbers (tests/tpu_jobs/test_loss_mask.py).
 
 Learning to judge (`rollout.judge_fraction` > 0, see tpu_jobs/rollout_worker.py): judge
@@ -88,12 +88,9 @@ from pipeline.run import CHECKPOINTS_PREFIX, DONE_KEY, Run, RunError, base_serve
 from pipeline.storage import ObjectNotFound, StorageError
 from pipeline.tasks.base import REWARD_RANGE
 from pipeline.tokenizer import Tokenizer, get_tokenizer
-from tpu_jobs import checkpoints
-from tpu_jobs import mesh as meshlib
-from tpu_jobs.batching import pack_rows, pad_values, round_up
 from tpu_jobs.hf_tokenizer import run_tokenizer
-from tpu_jobs.judge import judged_completion_len
-from tpu_jobs.losses import (
+from tpu_jobs.learning import checkpoints
+from tpu_jobs.learning.losses import (
     MAX_LOG_RATIO,
     LossSpec,
     aggregation_norm,
@@ -104,10 +101,19 @@ from tpu_jobs.losses import (
     masked_mean,
     masked_min,
 )
-from tpu_jobs.model import init_model
-from tpu_jobs.packing import Packing, pack
-from tpu_jobs.state import flat_to_params, make_optimizer, new_model, params_to_flat, split_model
-from tpu_jobs.value_head import init_value_head, packed_policy_forward, policy_forward
+from tpu_jobs.learning.packing import Packing, pack
+from tpu_jobs.learning.value_head import init_value_head, packed_policy_forward, policy_forward
+from tpu_jobs.model import mesh as meshlib
+from tpu_jobs.model.batching import pack_rows, pad_values, round_up
+from tpu_jobs.model.judge import judged_completion_len
+from tpu_jobs.model.state import (
+    flat_to_params,
+    make_optimizer,
+    new_model,
+    params_to_flat,
+    split_model,
+)
+from tpu_jobs.model.transformer import init_model
 
 sg = jax.lax.stop_gradient
 
@@ -184,7 +190,7 @@ class ModelPrograms:
 
         # Only the completion's log-probs are taken (`first=p`): the LM head, in chunks of
         # model_cfg.logits_chunk tokens, never runs on the prompt positions. `packing`
-        # (`tpu_jobs.packing`, trainer.pack): the same outputs from packed rows.
+        # (`tpu_jobs.learning.packing`, trainer.pack): the same outputs from packed rows.
         def outputs(params, tokens, mask, packing=None):
             if packing is not None:
                 out = packed_policy_forward(
@@ -379,7 +385,7 @@ class Learner:
     program). `fused` (default: trainer.fused_step) makes a single-update step one jitted
     program instead; on XLA:CPU that measured slower (benchmarks/results/trainer.md).
 
-    `mesh` (tpu_jobs.mesh): the train state is placed by `mesh.PARAM_RULES` (`init_state`,
+    `mesh` (tpu_jobs.model.mesh): the train state is placed by `mesh.PARAM_RULES` (`init_state`,
     `place`) and each step's batch split over data x fsdp, so every micro-batch (the whole
     batch by default) must hold a multiple of data * fsdp rows. The programs are the same
     (GSPMD propagates the shardings). `tokenizer`: the run's (`tpu_jobs.hf_tokenizer.run_tokenizer`),
@@ -521,7 +527,7 @@ class Learner:
 
     def under_mesh(self) -> contextlib.AbstractContextManager:
         """The context the step's programs are traced and run in: the trainer mesh
-        (`jax.set_mesh`), so the model's activation constraints (`tpu_jobs.constraints`)
+        (`jax.set_mesh`), so the model's activation constraints (`tpu_jobs.model.constraints`)
         apply; nothing without a mesh."""
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 

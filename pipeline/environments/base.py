@@ -1,7 +1,7 @@
 """What an environment is: it reads a finished turn's text and answers with an
 observation (appended to the sequence, not trained on) and whether the episode is done.
 
-Pure text: the token-level loop (`tpu_jobs.episodes`) turns text into tokens, drives the
+Pure text: the token-level loop (`tpu_jobs.generate.episodes`) turns text into tokens, drives the
 engine and calls `step_many` with every turn that ended in one round, so an environment
 that runs programs (the Python tool) runs them together.
 """

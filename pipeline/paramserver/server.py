@@ -150,7 +150,7 @@ class ParamServer:
     ) -> bool:
         """``publish_snapshot`` of ``Snapshot.of(version, tensors, split, parts)``: the
         tensors cut into the pieces of the sampler's mesh (``split``: the axis of each tensor
-        its ``parts`` tensor ranks split, ``tpu_jobs.mesh.split_axes``; absent or None:
+        its ``parts`` tensor ranks split, ``tpu_jobs.model.mesh.split_axes``; absent or None:
         replicated). ``options``: ``epoch``, ``metadata``, ``base``, ``full``, ``full_every``."""
         _check_version(version)
         return self.publish_snapshot(Snapshot.of(version, tensors, split, parts), **options)
@@ -309,7 +309,7 @@ class ParamServer:
         ``have``: a snapshot this reader holds (of the same ``ranks``); a newer version is then
         rebuilt from it with the deltas in between when they exist, else (a hole, a delta that
         fails) from the version's anchor. ``ranks``: the tensor ranks of the sampler's mesh
-        this host holds (``tpu_jobs.mesh.tensor_ranks``; None: all): only their pieces and
+        this host holds (``tpu_jobs.model.mesh.tensor_ranks``; None: all): only their pieces and
         the unsplit tensors are downloaded.
 
         Raises SnapshotNotFoundError if it is not committed and CorruptSnapshotError (naming

@@ -49,7 +49,7 @@ class Snapshot:
         parts: int = 1,
     ) -> Snapshot:
         """A complete snapshot of tensors in hand, checked (``check_array``) and cut into
-        ``parts`` pieces along each tensor's ``split`` axis (``tpu_jobs.mesh.split_axes``;
+        ``parts`` pieces along each tensor's ``split`` axis (``tpu_jobs.model.mesh.split_axes``;
         absent or None: replicated): what ``ParamServer.publish_snapshot`` stores, and the
         base of the next version's delta."""
         if not isinstance(tensors, dict) or not tensors:

@@ -10,7 +10,7 @@ The self-score of a solution is the model's probability of the "yes" verdict at 
 verdict position, renormalised over the two verdicts: p(y) / (p(y) + p(n)). Every
 character here is in the char tokenizer's CHARSET, so the format needs no new ids.
 
-Pure Python: the token-level work lives in `tpu_jobs/judge.py`.
+Pure Python: the token-level work lives in `tpu_jobs/model/judge.py`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.airflow_local import RL_DAG_ID, AirflowError, LocalAirflow
+from pipeline.ops.airflow_local import RL_DAG_ID, AirflowError, LocalAirflow
 from pipeline.run import CHECKPOINT_MANIFESTS
 
 STEPS_PREEMPT = 16
@@ -58,7 +58,7 @@ def _trainer_process(run_dir: Path) -> psutil.Process | None:
 
 def _committed_checkpoints(run_dir: Path) -> list[int]:
     """Steps the trainer can resume from: committed by Orbax and verified by a content
-    manifest (tpu_jobs/checkpoints.py; a step without one is refused on restore)."""
+    manifest (tpu_jobs/learning/checkpoints.py; a step without one is refused on restore)."""
     ckpt, manifests = run_dir / "checkpoints", run_dir / CHECKPOINT_MANIFESTS
     if not ckpt.is_dir() or not manifests.is_dir():
         return []

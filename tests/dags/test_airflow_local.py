@@ -1,4 +1,4 @@
-"""pipeline/airflow_local.py and the CLI entry points, without starting Airflow."""
+"""pipeline/ops/airflow_local.py and the CLI entry points, without starting Airflow."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from pipeline.airflow_local import (
+from pipeline.ops.airflow_local import (
     PASSWORDS_FILE,
     ProgressPrinter,
     airflow_env,
     ensure_password,
     task_label,
 )
-from pipeline.cli import build_parser
+from pipeline.ops.cli import build_parser
 from tests.dags.conftest import DAGS
 from tests.local_servers import QuietHandler
 
@@ -117,7 +117,7 @@ class _LockedDatabaseAPI:
 
 
 def test_trigger_survives_a_locked_database_without_a_second_run(tmp_path):
-    from pipeline.airflow_local import AirflowError, LocalAirflow
+    from pipeline.ops.airflow_local import AirflowError, LocalAirflow
 
     api = _LockedDatabaseAPI()
     try:

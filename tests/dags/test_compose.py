@@ -141,7 +141,7 @@ def test_compose_celery_workers_serve_the_queues_the_dags_route_to():
     """The trainer's and the rollout workers' queues (pipeline/queues.py, used by
     dags/stage.py) each have a Celery worker, and some worker takes the default queue; the
     same split as `rlax stack` (tests/stack/ runs it)."""
-    from pipeline import stack
+    from pipeline.ops import stack
     from pipeline.queues import DEFAULT_QUEUE, ROLLOUT_QUEUE, TRAINER_QUEUE
 
     services = yaml.safe_load(COMPOSE.read_text())["services"]

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(_FORBIDDEN is not None, reason=f"no sandbox here
 
 def _demo(url: str, *overrides: str) -> Run:
     cmd = [
-        sys.executable, "-m", "pipeline.cli", "demo", "--config", "configs/tiny.yaml",
+        sys.executable, "-m", "pipeline.ops.cli", "demo", "--config", "configs/tiny.yaml",
         "--run", url, "task.families=[code]", "task.weights=[1]", "sft.steps=20",
         "trainer.steps=2", "sampler.max_new_tokens=16", *overrides,
     ]  # fmt: skip

@@ -320,7 +320,7 @@ def test_a_yaml_bool_is_not_an_integer(tmp_path):
 def test_init_refuses_prompts_that_leave_no_room_for_the_completion(tmp_path):
     """The cross-field rule that needs the data: longest prompt + max_new_tokens <=
     model.max_seq_len, checked after generation and before anything is written."""
-    from pipeline.cli import main
+    from pipeline.ops.cli import main
     from pipeline.tasks.mix import build_splits
     from pipeline.tokenizer import get_tokenizer
 
@@ -341,7 +341,7 @@ def test_init_writes_its_config_last_so_an_interrupted_one_is_retried_afresh(tmp
     and partial data; the corrected retry was then refused as "a different config". Now
     config.json is written last: an interruption leaves at most data without a config, as
     planted here (another config's held-out set), and the retry replaces it."""
-    from pipeline.cli import main
+    from pipeline.ops.cli import main
     from pipeline.problem_sets import write_data
     from pipeline.run import Run
     from pipeline.storage import open_store
@@ -365,7 +365,7 @@ def test_init_writes_its_config_last_so_an_interrupted_one_is_retried_afresh(tmp
 def test_a_failed_init_leaves_nothing_behind(tmp_path):
     """task.max_digits=30 passed the config but failed while the data was generated,
     leaving config.json behind, so a retry with a fixed config was refused."""
-    from pipeline.cli import main
+    from pipeline.ops.cli import main
 
     url = str(tmp_path / "run")
     assert main(["init", "--run", url, "--config", "configs/tiny.yaml", "task.max_digits=30"])

@@ -87,7 +87,7 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def made_run(tmp_path_factory):
-    from pipeline.cli import main
+    from pipeline.ops.cli import main
 
     root = tmp_path_factory.mktemp("refused")
     url = str(root / "run")
@@ -99,7 +99,7 @@ def made_run(tmp_path_factory):
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_refused_in_one_line_bad_arguments(case, made_run, tmp_path, capsys, monkeypatch):
-    from pipeline.cli import main
+    from pipeline.ops.cli import main
 
     # '.' and '..' name directories that exist: here both inside tmp_path.
     cwd = tmp_path / "parent" / "cwd"

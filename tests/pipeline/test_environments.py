@@ -105,7 +105,10 @@ def test_a_turn_that_writes_a_host_file_leaves_nothing_on_the_host(tool, tmp_pat
 def test_no_eval_or_exec_in_the_code_that_reads_model_text():
     """The environments and the episode loop never evaluate model text in-process: no call
     to eval/exec/compile/__import__ anywhere in their source."""
-    files = [*sorted((ROOT / "pipeline/environments").glob("*.py")), ROOT / "tpu_jobs/episodes.py"]
+    files = [
+        *sorted((ROOT / "pipeline/environments").glob("*.py")),
+        ROOT / "tpu_jobs/generate/episodes.py",
+    ]
     files.append(ROOT / "pipeline/tool_calls.py")
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):

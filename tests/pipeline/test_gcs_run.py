@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.ops.stack import emulator_env
 from pipeline.paramserver import ParamServer
 from pipeline.rollouts import from_parquet_bytes
 from pipeline.run import DONE_KEY, Run
-from pipeline.stack import emulator_env
 from tests.local_servers import QuietHandler
 from tests.runs import assert_bit_identical, clone_run, final_tensors, start, wait_all
 

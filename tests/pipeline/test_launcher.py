@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import launcher
+from pipeline.layout import worker_ids
+from pipeline.ops import launcher
 
 JIT = "import jax, jax.numpy as jnp; print(jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)))"
 
@@ -131,7 +132,7 @@ def test_stopping_rlax_rollout_stops_its_worker(waiting_run, sig, tmp_path):
 
 WATCHED = """
 import sys, time
-from pipeline import launcher
+from pipeline.ops import launcher
 naps = f"sleep {sys.argv[1]}"
 launcher.spawn(["bash", "-c", f"{naps} & {naps} & wait"], watchdog=True, grace_s=2)
 print("spawned", flush=True)
@@ -234,4 +235,4 @@ def test_stream_stops_the_job_when_asked():
 def test_curate_command_takes_run_urls_and_worker_names():
     cmd = launcher.curate_command(["file:///data/*.jsonl"], "file:///runs/r/curated")
     assert cmd[3:] == ["--input", "/data/*.jsonl", "--output", "/runs/r/curated"]
-    assert launcher.worker_ids(2) == ["worker0", "worker1"]
+    assert worker_ids(2) == ["worker0", "worker1"]

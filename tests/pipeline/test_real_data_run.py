@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from dags.params import config_from_params
-from pipeline import launcher
 from pipeline.data_job import BAD_INPUT
 from pipeline.layout import CURATED_PREFIX
+from pipeline.ops import launcher
 from pipeline.rollouts import from_parquet_bytes
 from pipeline.run import Run
 from pipeline.sandbox.isolation import userns_forbidden

@@ -55,7 +55,7 @@ class Service:
             env["RLAX_SANDBOX_TOKEN"] = token
         self.stderr_path = tmp / f"service-{uuid.uuid4().hex[:8]}.err"
         command = command or ["sandbox", "serve", "--port", "0", *args]
-        cmd = [sys.executable, "-m", "pipeline.cli", *command]
+        cmd = [sys.executable, "-m", "pipeline.ops.cli", *command]
         with self.stderr_path.open("w") as stderr:
             self.proc = subprocess.Popen(
                 cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
@@ -340,7 +340,7 @@ def test_math_and_code_families_judge_the_same_through_the_service(tmp_path, mon
     assert remote == local
 
 
-# --- The hardened front (pipeline/sandbox/http_guard.py): what a client without a token,
+# --- The hardened front (pipeline/ops/http_guard.py): what a client without a token,
 # or with one, cannot make the service hold. Short timeouts, so each attack ends in about
 # a second; every connection is closed by the test.
 
@@ -542,7 +542,7 @@ def test_limits_above_the_services_maxima_are_refused_naming_field_value_and_max
 
 def test_serve_with_a_port_out_of_range_is_one_line_and_exit_2():
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "sandbox", "serve", "--port", "99999"],
+        [sys.executable, "-m", "pipeline.ops.cli", "sandbox", "serve", "--port", "99999"],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
@@ -571,8 +571,8 @@ def test_serve_with_a_port_out_of_range_is_one_line_and_exit_2():
 def test_bad_serve_arguments_are_one_line_and_exit_2(args, words, capsys):
     """In-process (the CLI's own parser and error path, as `rlax` runs them); each is
     refused before the service starts, so nothing here serves."""
-    from pipeline.cli import build_parser
     from pipeline.entrypoint import run_main
+    from pipeline.ops.cli import build_parser
 
     try:
         parsed = build_parser().parse_args(["sandbox", "serve", "--port", "0", *args])

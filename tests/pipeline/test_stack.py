@@ -1,4 +1,4 @@
-"""`pipeline.stack` without starting its services (tests/stack/ starts them): process trees
+"""`pipeline.ops.stack` without starting its services (tests/stack/ starts them): process trees
 are killed whole, and a recorded pid counts only while it names the process `up` started."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from pipeline import stack
+from pipeline.ops import stack
 
 
 def _tree() -> tuple[subprocess.Popen, int]:

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.airflow_local import free_port
 from pipeline.config import ConfigError, override_section
+from pipeline.net import free_port
 from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.tracking import (
     Exporter,
@@ -41,8 +41,8 @@ def offline_trackers(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """`mlflow server` (SQLite backend, served artifacts) on a free 127.0.0.1 port, started
-    as `rlax stack up --mlflow` starts it (pipeline/stack.py), stopped afterwards."""
-    from pipeline.stack import SERVICES_BY_NAME, Stack
+    as `rlax stack up --mlflow` starts it (pipeline/ops/stack.py), stopped afterwards."""
+    from pipeline.ops.stack import SERVICES_BY_NAME, Stack
 
     stack = Stack(root=tmp_path_factory.mktemp("stack"), log=lambda m: None)
     try:
@@ -341,7 +341,7 @@ def test_flat_params_are_dotted_with_lists_as_json():
 
 
 def test_the_track_command_is_wired():
-    from pipeline.cli import build_parser
+    from pipeline.ops.cli import build_parser
 
     args = build_parser().parse_args(
         ["track", "--run", "runs/x", "--follow", "tracking.backends=[mlflow]"]

@@ -31,11 +31,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline import chaos
-from pipeline import stack as stack_mod
-from pipeline.airflow_local import RL_DAG_ID
-from pipeline.airflow_rest import AirflowAPI
 from pipeline.leases import BatchLeases
+from pipeline.ops import chaos
+from pipeline.ops import stack as stack_mod
+from pipeline.ops.airflow_local import RL_DAG_ID
+from pipeline.ops.airflow_rest import AirflowAPI
 from pipeline.run import CHECKPOINT_MANIFESTS, DONE_KEY, Run
 
 pytestmark = [pytest.mark.stack, pytest.mark.timeout(900)]

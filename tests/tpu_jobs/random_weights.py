@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.config import ModelConfig
-from tpu_jobs.model import Transformer, flat_params, init_model, load_flat_params
+from tpu_jobs.model.transformer import Transformer, flat_params, init_model, load_flat_params
 
 
 def random_model(

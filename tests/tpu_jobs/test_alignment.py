@@ -19,9 +19,9 @@ import pytest
 from pipeline.run import base_server
 from pipeline.weight_codec import cast_for_publish
 from tests.runs import clone_run
-from tpu_jobs.model import load_flat_params
+from tpu_jobs.generate.registry import make_sampler
+from tpu_jobs.model.transformer import load_flat_params
 from tpu_jobs.rollout_worker import RolloutWorker
-from tpu_jobs.samplers import make_sampler
 from tpu_jobs.trainer import Learner, Trainer
 
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from tpu_jobs.batching import pack_rows, pad_values, round_up
+from tpu_jobs.model.batching import pack_rows, pad_values, round_up
 
 
 def test_pack_rows_layout():

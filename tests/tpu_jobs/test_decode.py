@@ -1,4 +1,4 @@
-"""Decode layouts (tpu_jobs.decode): the feature-major step equals the model's own
+"""Decode layouts (tpu_jobs.generate.decode): the feature-major step equals the model's own
 token-major forward on every model variant, and the sampler prepares its weights once
 per weight version."""
 
@@ -12,14 +12,14 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from tests.tpu_jobs.random_weights import random_model
-from tpu_jobs.decode import DECODE_LAYOUTS, default_layout
-from tpu_jobs.model import (
+from tpu_jobs.generate.decode import DECODE_LAYOUTS, default_layout
+from tpu_jobs.generate.static import Sampler
+from tpu_jobs.model.transformer import (
     flat_params,
     init_cache,
     load_flat_params,
     positions_from_mask,
 )
-from tpu_jobs.sampler import Sampler
 
 VARIANTS = {
     "llama": ModelConfig(preset="tiny"),

@@ -1,5 +1,5 @@
-"""The continuous-batching engine (tpu_jobs.engine) against the static sampler on the same
-keys, and the page pool's bookkeeping (tpu_jobs.kv_pages).
+"""The continuous-batching engine (tpu_jobs.generate.engine) against the static sampler on the same
+keys, and the page pool's bookkeeping (tpu_jobs.generate.kv_pages).
 
 One reference batch from the static sampler serves every comparison: 16 distinct prompts
 and a group of 4 copies of one prompt (G samples), on a model whose EOS follows trigger
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from tests.tpu_jobs.test_sampler import CFG, EOS, PAD, PROMPTS, TRIGGERS, keys_for, random_model
-from tpu_jobs.engine import Engine, Request, Resume
-from tpu_jobs.kv_pages import PagePool, PoolExhausted
-from tpu_jobs.model import init_model
-from tpu_jobs.sampler import Sampler
-from tpu_jobs.vllm_sampler import VllmSampler
+from tpu_jobs.generate.engine import Engine, Request, Resume
+from tpu_jobs.generate.kv_pages import PagePool, PoolExhausted
+from tpu_jobs.generate.static import Sampler
+from tpu_jobs.generate.vllm_sampler import VllmSampler
+from tpu_jobs.model.transformer import init_model
 
 MAX_NEW = 12
 GROUP = [1, 9, 8, 7, 6, 5]  # the shared prompt of the group rows
@@ -187,7 +187,7 @@ def test_sampler_engine_setting_picks_the_sampler():
     from pipeline.config import load_config
     from pipeline.errors import ConfigError
     from pipeline.tokenizer import get_tokenizer
-    from tpu_jobs.samplers import make_sampler
+    from tpu_jobs.generate.registry import make_sampler
 
     tok = get_tokenizer("char")
     cfg = load_config(

@@ -1,4 +1,4 @@
-"""Tool episodes (tpu_jobs.episodes) on a tiny model that has memorised one episode:
+"""Tool episodes (tpu_jobs.generate.episodes) on a tiny model that has memorised one episode:
 three Python calls (one raises, one hangs, one prints the sum) and the final answer, run
 through the real engine and the real sandbox.
 
@@ -25,9 +25,9 @@ from pipeline.sandbox.isolation import userns_forbidden
 from pipeline.tasks import TASKS
 from pipeline.tokenizer import get_tokenizer
 from pipeline.tool_calls import CALL_CLOSE, CALL_OPEN, OUTPUT_CLOSE, OUTPUT_OPEN
-from tpu_jobs.engine import Engine, Request
-from tpu_jobs.episodes import run_episodes, sample_episodes_and_verify
-from tpu_jobs.model import init_model
+from tpu_jobs.generate.engine import Engine, Request
+from tpu_jobs.generate.episodes import run_episodes, sample_episodes_and_verify
+from tpu_jobs.model.transformer import init_model
 
 _FORBIDDEN = userns_forbidden()
 pytestmark = pytest.mark.skipif(_FORBIDDEN is not None, reason=f"no sandbox here: {_FORBIDDEN}")
@@ -209,7 +209,7 @@ def test_a_resumed_turn_equals_a_fresh_prefill_of_the_whole_history(model, engin
 
 
 def test_the_loop_refuses_the_static_sampler(model):
-    from tpu_jobs.sampler import Sampler
+    from tpu_jobs.generate.static import Sampler
 
     with pytest.raises(ValueError, match="sampler.engine='jax'"):
         run_episodes(
@@ -257,7 +257,7 @@ def test_a_tool_batch_is_the_same_bytes_however_often_it_is_made(model, tmp_path
     from pipeline.run import Run
     from tests.runs import tiny_config
     from tpu_jobs.evaluator import Evaluator
-    from tpu_jobs.model import flat_params
+    from tpu_jobs.model.transformer import flat_params
     from tpu_jobs.rollout_worker import RolloutWorker
 
     run = Run.create(str(tmp_path / "run"), tiny_config(*WORKER_OVERRIDES))

@@ -339,8 +339,8 @@ def test_tensorboard_export_reads_back(small_run, tmp_path):
 
 
 def test_orm_role_and_tensorboard_command_are_wired():
-    from pipeline import launcher
-    from pipeline.cli import build_parser
+    from pipeline.ops import launcher
+    from pipeline.ops.cli import build_parser
 
     assert launcher.JOBS["orm"] == "tpu_jobs.orm"
     assert launcher.job_command("orm", "runs/x")[2] == "tpu_jobs.orm"

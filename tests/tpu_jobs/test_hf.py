@@ -19,9 +19,9 @@ transformers = pytest.importorskip("transformers")
 from pipeline.config import ModelConfig  # noqa: E402
 from pipeline.tokenizer import get_tokenizer  # noqa: E402
 from tpu_jobs import hf, hf_tokenizer  # noqa: E402
-from tpu_jobs.decode import DECODE_LAYOUTS  # noqa: E402
-from tpu_jobs.model import flat_params, positions_from_mask  # noqa: E402
-from tpu_jobs.sampler import Sampler  # noqa: E402
+from tpu_jobs.generate.decode import DECODE_LAYOUTS  # noqa: E402
+from tpu_jobs.generate.static import Sampler  # noqa: E402
+from tpu_jobs.model.transformer import flat_params, positions_from_mask  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -160,7 +160,7 @@ def test_export_reloads_in_transformers(checkpoints, family, tmp_path):
     ).eval()
     assert type(reloaded).__name__ == FAMILIES[family][1]
     assert reloaded.dtype == torch.float32
-    from tpu_jobs.model import load_flat_params
+    from tpu_jobs.model.transformer import load_flat_params
 
     load_flat_params(model, flat)
     ref = hf_logits(reloaded, TOKENS, MASK)
@@ -331,7 +331,7 @@ def test_tokenizer_adapter_matches_transformers(tmp_path, chat):
 def test_cli_import_into_new_run_then_export(checkpoints, tmp_path):
     from pipeline.paramserver import ParamServer
     from pipeline.run import Run, RunError, base_server
-    from tpu_jobs.state import flat_to_params, new_model, params_to_flat
+    from tpu_jobs.model.state import flat_to_params, new_model, params_to_flat
 
     hf_model, path = checkpoints["qwen3"]
     make_tokenizer_dir(path, chat=True)
@@ -422,7 +422,7 @@ def test_imported_tokenizer_is_used_by_the_rollout_worker(tmp_path):
     from pipeline.paramserver import ParamServer
     from pipeline.run import Run, base_server
     from pipeline.tokenizer import CharTokenizer
-    from tpu_jobs.batching import round_up
+    from tpu_jobs.model.batching import round_up
     from tpu_jobs.rollout_worker import RolloutWorker
     from tpu_jobs.trainer import Trainer
 

@@ -1,4 +1,4 @@
-"""tpu_jobs/judge.py self-scores against two independent full-sequence forwards."""
+"""tpu_jobs/model/judge.py self-scores against two independent full-sequence forwards."""
 
 from __future__ import annotations
 
@@ -9,9 +9,15 @@ from pipeline.config import ModelConfig
 from pipeline.tasks.judge import JUDGE_SUFFIX
 from pipeline.tokenizer import get_tokenizer
 from tests.tpu_jobs.random_weights import random_model
-from tpu_jobs.batching import pack_rows
-from tpu_jobs.judge import judge_sequences, self_scores, suffix_ids, verdict_ids, verdict_logprobs
-from tpu_jobs.model import sequence_logprobs
+from tpu_jobs.model.batching import pack_rows
+from tpu_jobs.model.judge import (
+    judge_sequences,
+    self_scores,
+    suffix_ids,
+    verdict_ids,
+    verdict_logprobs,
+)
+from tpu_jobs.model.transformer import sequence_logprobs
 
 CFG = ModelConfig(preset="tiny", tie_embeddings=False)
 TOK = get_tokenizer("char")

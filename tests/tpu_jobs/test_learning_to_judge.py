@@ -22,9 +22,9 @@ from pipeline.tasks.judge import JUDGE_SUFFIX, judge_reward
 from pipeline.tokenizer import get_tokenizer
 from tests.runs import clone_run, tiny_config
 from tpu_jobs import rollout_worker as rw
-from tpu_jobs.batching import round_up
-from tpu_jobs.judge import VERDICT_MAX_TOKENS, judged_completion_len, suffix_ids
-from tpu_jobs.sampler import SampleResult
+from tpu_jobs.generate.static import SampleResult
+from tpu_jobs.model.batching import round_up
+from tpu_jobs.model.judge import VERDICT_MAX_TOKENS, judged_completion_len, suffix_ids
 from tpu_jobs.trainer import Learner, Trainer
 
 TOK = get_tokenizer("char")
@@ -294,7 +294,7 @@ def test_tiny_run_with_judging(tiny_base, tmp_path):
     )
     run = clone_run(tiny_base, str(tmp_path / "run"), cfg)
     worker = rw.RolloutWorker(run, "w0", log=lambda m: None)
-    from tpu_jobs.model import load_flat_params
+    from tpu_jobs.model.transformer import load_flat_params
 
     load_flat_params(worker.model, base_server(run).pull(0).tensors)
     worker.version = 0

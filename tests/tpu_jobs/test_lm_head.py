@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 
 from pipeline.config import ModelConfig
-from tpu_jobs.lm_head import token_logprobs
-from tpu_jobs.model import init_cache, positions_from_mask, sequence_logprobs
-from tpu_jobs.sampler import Sampler, prefill
-from tpu_jobs.value_head import init_value_head, policy_forward
+from tpu_jobs.generate.static import Sampler, prefill
+from tpu_jobs.learning.value_head import init_value_head, policy_forward
+from tpu_jobs.model.lm_head import token_logprobs
+from tpu_jobs.model.transformer import init_cache, positions_from_mask, sequence_logprobs
 
 from .random_weights import random_model
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import ConfigError
-from tpu_jobs import losses as L
+from tpu_jobs.learning import losses as L
 
 # --------------------------------------------------------------------------------------
 # NumPy references (written from the papers' formulas, independently of the module)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import load_config
-from tpu_jobs.memory import sampler_memory, train_step_memory
+from tpu_jobs.learning.memory import sampler_memory, train_step_memory
 
 # Compile-only checks of large programs (~1 min in all): the `memory` lane, run by .ci/run
 # after `make test`.

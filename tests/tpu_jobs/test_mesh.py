@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from tests.runs import xla_flags_with_devices
-from tpu_jobs import mesh as M
+from tpu_jobs.model import mesh as M
 
 ROOT = Path(__file__).resolve().parents[2]
 MESH8 = AbstractMesh((2, 2, 2), M.AXES)
@@ -78,10 +78,10 @@ SCRIPT = r"""
 import json, os
 import jax, jax.numpy as jnp, numpy as np, optax
 from pipeline.config import ModelConfig
-from tpu_jobs import mesh as M
-from tpu_jobs.model import init_model
-from tpu_jobs.sampler import Sampler
-from tpu_jobs.state import split_model
+from tpu_jobs.model import mesh as M
+from tpu_jobs.model.transformer import init_model
+from tpu_jobs.generate.static import Sampler
+from tpu_jobs.model.state import split_model
 
 assert jax.device_count() == 8, jax.devices()
 cfg = ModelConfig(preset="tiny", num_layers=1, qkv_bias=True, qk_norm=True, tie_embeddings=False)
@@ -154,7 +154,7 @@ from jax.sharding import NamedSharding
 from pipeline.paramserver import ParamServer, Snapshot
 from pipeline.storage import open_store
 from tests.pipeline.test_retention import HookedStore
-from tpu_jobs.model import flat_params
+from tpu_jobs.model.transformer import flat_params
 flat = {k: np.asarray(v) for k, v in flat_params(init_model(cfg, 2)).items()}
 tp = M.make_mesh((1, 1, 2), jax.devices()[:2])
 split = M.split_axes({k: v.shape for k, v in flat.items()}, 2)
@@ -276,7 +276,7 @@ def test_sampler_noise_drawn_up_front_equals_categorical():
     import jax.numpy as jnp
     import numpy as np
 
-    from tpu_jobs.sampler import filter_logits, sample_step, step_noise
+    from tpu_jobs.generate.static import filter_logits, sample_step, step_noise
 
     rng = np.random.default_rng(0)
     logits = jnp.asarray(3 * rng.standard_normal((5, 64)), jnp.float32)
@@ -310,10 +310,10 @@ from flax import nnx
 from pipeline.config import MeshConfig
 from pipeline.paramserver import ParamServer
 from tests.runs import commit_with_random_rewards, plain_and_variants
-from tpu_jobs import mesh as M
-from tpu_jobs.checkpoints import TrainerCheckpoints
+from tpu_jobs.model import mesh as M
+from tpu_jobs.learning.checkpoints import TrainerCheckpoints
 from tpu_jobs.rollout_worker import RolloutWorker
-from tpu_jobs.state import params_to_flat
+from tpu_jobs.model.state import params_to_flat
 from tpu_jobs.trainer import Trainer
 
 assert jax.device_count() == 8, jax.devices()
@@ -433,8 +433,8 @@ FSDP_SCRIPT = r"""
 import json, re
 import jax
 from pipeline.config import load_config
-from tpu_jobs import mesh as M
-from tpu_jobs.memory import compile_train_step
+from tpu_jobs.model import mesh as M
+from tpu_jobs.learning.memory import compile_train_step
 
 # A Qwen2.5-0.5B layer shape (4 of its 24 layers, its vocabulary), 8 x 1024 tokens,
 # remat full with chunked attention: the setting a real model trains with.
@@ -460,7 +460,7 @@ print("RESULT" + json.dumps({
 def test_fsdp_splits_the_train_step_over_eight_devices():
     """FSDP really shards: per-device temporaries of the step on 8 devices (mesh.trainer
     = [1, 8, 1]) are at most 1.5/8 of one device's (measured 0.15; 0.52 before the
-    activation constraints of tpu_jobs.constraints), and what is all-gathered is weights
+    activation constraints of tpu_jobs.model.constraints), and what is all-gathered is weights
     and the LM head's chunks, never an MLP activation of the whole batch."""
     out = run_on_eight_devices(FSDP_SCRIPT)
     assert out["eight"] <= 1.5 / 8 * out["one"], out["eight"] / out["one"]

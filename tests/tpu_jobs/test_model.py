@@ -12,7 +12,7 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from tests.tpu_jobs.random_weights import random_model
-from tpu_jobs.model import (
+from tpu_jobs.model.transformer import (
     flat_params,
     init_cache,
     init_model,

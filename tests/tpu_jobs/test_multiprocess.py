@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from pipeline import launcher
+from pipeline.ops import launcher
 from pipeline.paramserver import ParamServer
 from pipeline.run import DONE_KEY
 from pipeline.storage import local_path
@@ -79,9 +79,9 @@ def maxdiff(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 @pytest.fixture(scope="module")
 def two_process_trainer(tmp_path_factory) -> dict[str, Any]:
-    from tpu_jobs.checkpoints import TrainerCheckpoints
+    from tpu_jobs.learning.checkpoints import TrainerCheckpoints
+    from tpu_jobs.model.state import params_to_flat
     from tpu_jobs.rollout_worker import RolloutWorker
-    from tpu_jobs.state import params_to_flat
     from tpu_jobs.trainer import Trainer
 
     root = tmp_path_factory.mktemp("multiprocess")
@@ -171,7 +171,7 @@ def test_checkpoint_of_two_processes_restores_on_one_device(two_process_trainer)
 
 HELPERS_SCRIPT = r"""
 import json
-from tpu_jobs import mesh as M
+from tpu_jobs.model import mesh as M
 assert M.initialize_distributed()  # RLAX_* from the environment
 import jax, jax.numpy as jnp, numpy as np, optax
 

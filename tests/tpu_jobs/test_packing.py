@@ -12,9 +12,9 @@ import pytest
 from flax import nnx
 
 from pipeline.config import ModelConfig
-from tpu_jobs.batching import pack_rows
-from tpu_jobs.packing import buckets, first_fit_decreasing, pack
-from tpu_jobs.value_head import init_value_head, packed_policy_forward, policy_forward
+from tpu_jobs.learning.packing import buckets, first_fit_decreasing, pack
+from tpu_jobs.learning.value_head import init_value_head, packed_policy_forward, policy_forward
+from tpu_jobs.model.batching import pack_rows
 
 from .random_weights import random_model
 

@@ -20,9 +20,9 @@ from pipeline.tasks import TASKS
 from pipeline.tasks.mix import build_splits
 from pipeline.tokenizer import get_tokenizer
 from tpu_jobs import pass_rates as pr
-from tpu_jobs.model import flat_params, init_model
-from tpu_jobs.sampler import SampleResult
-from tpu_jobs.sampling import PASS_RATE_STREAM, sample_keys
+from tpu_jobs.generate.sample_verify import PASS_RATE_STREAM, sample_keys
+from tpu_jobs.generate.static import SampleResult
+from tpu_jobs.model.transformer import flat_params, init_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

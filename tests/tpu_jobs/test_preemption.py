@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pipeline.chaos import ChaosSettings, account, final_params_equal, run_with_chaos
+from pipeline.ops.chaos import ChaosSettings, account, final_params_equal, run_with_chaos
 from pipeline.run import DONE_KEY
 from tests.runs import assert_bit_identical, clone_run, final_tensors, start, wait_all
 
@@ -31,7 +31,7 @@ def reference(tiny_base, tmp_path_factory):
 
 
 def _checkpoint_leaves(run):
-    from tpu_jobs.checkpoints import TrainerCheckpoints
+    from tpu_jobs.learning.checkpoints import TrainerCheckpoints
     from tpu_jobs.trainer import Trainer
 
     t = Trainer(run, log=lambda m: None)
@@ -162,7 +162,7 @@ def _checkpoint_file(run_dir, step: int, kind: str):
 
 @pytest.mark.parametrize("kind", sorted(CHECKPOINT_FILES))
 def test_a_checkpoint_with_flipped_bytes_is_refused_for_the_previous_one(reference, tmp_path, kind):
-    from tpu_jobs.checkpoints import TrainerCheckpoints
+    from tpu_jobs.learning.checkpoints import TrainerCheckpoints
     from tpu_jobs.trainer import Trainer
 
     run = _copy_with_checkpoints(reference, str(tmp_path / "run"))
@@ -194,7 +194,7 @@ def test_the_trainer_resumes_from_the_last_good_checkpoint_and_ends_bit_identica
 
 
 def test_every_checkpoint_refused_is_an_error_naming_each(reference, tmp_path):
-    from tpu_jobs.checkpoints import CheckpointCorruptError, TrainerCheckpoints
+    from tpu_jobs.learning.checkpoints import CheckpointCorruptError, TrainerCheckpoints
     from tpu_jobs.trainer import Trainer
 
     run = _copy_with_checkpoints(reference, str(tmp_path / "run"))

@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from pipeline.config import ModelConfig
-from tpu_jobs.decode import DECODE_LAYOUTS
-from tpu_jobs.model import flat_params, init_model, load_flat_params, sequence_logprobs
-from tpu_jobs.sampler import Sampler
+from tpu_jobs.generate.decode import DECODE_LAYOUTS
+from tpu_jobs.generate.static import Sampler
+from tpu_jobs.model.transformer import flat_params, init_model, load_flat_params, sequence_logprobs
 
 CFG = ModelConfig(preset="tiny", qkv_bias=True, tie_embeddings=False)
 PAD, EOS = 0, 2
@@ -55,7 +55,7 @@ def model():
 
 @pytest.fixture(scope="module", params=sorted(DECODE_LAYOUTS))
 def sampler(request):
-    """Every test that takes this fixture runs once per decode layout (tpu_jobs.decode)."""
+    """Every test that takes this fixture runs once per decode layout (tpu_jobs.generate.decode)."""
     return Sampler(CFG, pad_id=PAD, eos_id=EOS, decode_layout=request.param)
 
 

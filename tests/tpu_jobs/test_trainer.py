@@ -26,12 +26,17 @@ from pipeline.rollouts import RolloutBatch, from_parquet_bytes, to_parquet_bytes
 from pipeline.run import DONE_KEY, base_server
 from pipeline.tasks import get_task
 from tests.runs import clone_run
-from tpu_jobs import losses as L
 from tpu_jobs import rollout_worker as rw
-from tpu_jobs.model import init_model, load_flat_params, positions_from_mask, sequence_logprobs
-from tpu_jobs.state import split_model
+from tpu_jobs.learning import losses as L
+from tpu_jobs.learning.value_head import hidden_states, init_value_head, lm_logits, policy_forward
+from tpu_jobs.model.state import split_model
+from tpu_jobs.model.transformer import (
+    init_model,
+    load_flat_params,
+    positions_from_mask,
+    sequence_logprobs,
+)
 from tpu_jobs.trainer import Learner, Trainer
-from tpu_jobs.value_head import hidden_states, init_value_head, lm_logits, policy_forward
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +51,7 @@ def with_trainer(cfg: C.RunConfig, **changes) -> C.RunConfig:
 
 
 def test_every_declared_part_has_an_implementation():
-    """pipeline/algorithms.py declares the names (no jax); tpu_jobs/losses.py implements
+    """pipeline/algorithms.py declares the names (no jax); tpu_jobs/learning/losses.py implements
     each one, and the config's preset names are the spec's."""
     assert tuple(L.ALGORITHMS) == C.ALGORITHMS
     for declared, implemented in (
@@ -508,7 +513,9 @@ def test_dapo_bound_gives_an_empty_batch_when_every_group_is_constant(dapo_worke
         def verify(self, problem, completion):
             return 0.0
 
-    from tpu_jobs import sampling  # the rollout worker's sample -> decode -> verify loop
+    from tpu_jobs.generate import (
+        sample_verify as sampling,  # the rollout worker's sample -> decode -> verify loop
+    )
 
     monkeypatch.setattr(sampling, "get_task", lambda name: AlwaysWrong())
     monkeypatch.setattr(dapo_worker, "cfg", cfg)
@@ -753,7 +760,7 @@ def test_packed_steps_equal_unpacked_steps(alg, fused, micro_batch, grpo_run, tr
     """trainer.pack changes the layout, not the step: the same loss, metrics and new
     parameters as the padded rows (the fused step; the shared programs with a value head
     over packed micro-batches)."""
-    from tpu_jobs.packing import pack
+    from tpu_jobs.learning.packing import pack
 
     out = []
     for packed in (False, True):

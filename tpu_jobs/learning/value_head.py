@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from tpu_jobs.lm_head import token_logprobs
-from tpu_jobs.model import Transformer, positions_from_mask, token_logprobs_of
-from tpu_jobs.packing import Packing
+from tpu_jobs.learning.packing import Packing
+from tpu_jobs.model.lm_head import token_logprobs
+from tpu_jobs.model.transformer import Transformer, positions_from_mask, token_logprobs_of
 
 ValueParams = dict[str, jax.Array]
 
@@ -90,7 +90,7 @@ def policy_forward(
 ) -> PolicyOutputs:
     """One trunk pass giving log-probs (as `sequence_logprobs`), optionally the entropy of
     pi(. | prefix) and the values, each [B, T - first] (columns first..). The LM head runs
-    in chunks of `cfg.logits_chunk` tokens (`tpu_jobs.lm_head`). Jit-able and
+    in chunks of `cfg.logits_chunk` tokens (`tpu_jobs.model.lm_head`). Jit-able and
     differentiable."""
     tokens = jnp.asarray(tokens)
     mask = jnp.asarray(mask).astype(jnp.int32)
@@ -114,7 +114,7 @@ def packed_policy_forward(
     entropy: bool = False,
 ) -> PolicyOutputs:
     """`policy_forward(..., first=T - C)` of a batch [R, T] given packed
-    (`tpu_jobs.packing.pack`): the same per-token outputs [R, C] of the completion columns
+    (`tpu_jobs.learning.packing.pack`): the same per-token outputs [R, C] of the completion columns
     (0 where `completion_mask` [R, C] is 0), from one trunk pass over the packed rows.
     Each completion token's log-prob, entropy and value come from the packed hidden state
     just before it, which saw the same prefix at the same positions."""

@@ -2,7 +2,7 @@
 worker, evaluator, pass-rate job) builds it here, so they all generate the same way.
 
 A sampler has `generate(model, prompts, keys, *, max_new_tokens, temperature, top_k,
-top_p, dtype) -> tpu_jobs.sampler.SampleResult`, `pad_id` and `eos_id`.
+top_p, dtype) -> tpu_jobs.generate.static.SampleResult`, `pad_id` and `eos_id`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import jax
 
 from pipeline.config import SAMPLER_ENGINES, RunConfig
 from pipeline.tokenizer import Tokenizer
-from tpu_jobs.engine import Engine
-from tpu_jobs.sampler import Sampler
-from tpu_jobs.vllm_sampler import VllmSampler
+from tpu_jobs.generate.engine import Engine
+from tpu_jobs.generate.static import Sampler
+from tpu_jobs.generate.vllm_sampler import VllmSampler
 
 
 def _static(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None) -> Sampler:

@@ -13,7 +13,7 @@ full replica sheds load (the client retries it, on another replica behind a load
 balancer) instead of holding connections open without bound. With a token, every
 request but `/health` must carry `Authorization: Bearer <token>` (401 otherwise), checked
 before a byte of its body is read. Body size, head and body deadlines and the number of
-connections are bounded (`pipeline.sandbox.http_guard`), and so is every limit a client
+connections are bounded (`pipeline.ops.http_guard`), and so is every limit a client
 may ask for (`MAX_LIMITS`, `--max-limit`): a request beyond is 400, naming the field, its
 value and the maximum. Stateless: replicas need nothing from each other (docs/sandbox.md).
 """
@@ -39,8 +39,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, create_model
 
 from pipeline.errors import ConfigError, check
-from pipeline.sandbox import api
-from pipeline.sandbox.http_guard import (
+from pipeline.ops.http_guard import (
     MAX_HEADER_BYTES,
     ASGIApp,
     ConnectionGuard,
@@ -48,6 +47,7 @@ from pipeline.sandbox.http_guard import (
     RequestGuard,
     guarded_protocol,
 )
+from pipeline.sandbox import api
 from pipeline.sandbox.limits import MIB, Limits
 from pipeline.sandbox.pool import close_all, pool_for
 from pipeline.sandbox.result import ExecResult, SandboxError

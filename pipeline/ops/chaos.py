@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import launcher
 from pipeline.config import MAX_WORKERS, RunConfig
 from pipeline.errors import ArgumentError, check
+from pipeline.layout import worker_ids
+from pipeline.ops import launcher
 from pipeline.paramserver import ParamServer
 from pipeline.run import BASE_PREFIX, CHECKPOINT_MANIFESTS, DATA_PREFIX, DONE_KEY, Run
 
@@ -119,7 +120,7 @@ def _start(fleet: launcher.Fleet, name: str) -> None:
 
 
 def _names(workers: int) -> list[str]:
-    return ["trainer", *launcher.worker_ids(workers)]
+    return ["trainer", *worker_ids(workers)]
 
 
 def run_uninterrupted(run: Run, workers: int, timeout_s: float) -> float:

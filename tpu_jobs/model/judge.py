@@ -32,9 +32,9 @@ the verdict position alone, so no per-token loss mask enters it. In a learning-t
 the whole solution, observations and sampled turns alike, is context with loss mask 0;
 only the verdict is trained.
 
-`model` is an nnx `tpu_jobs.model.Transformer` (e.g. the evaluator's `self.model` after
+`model` is an nnx `tpu_jobs.model.transformer.Transformer` (e.g. the evaluator's `self.model` after
 `load_flat_params`). Rows are scored in chunks of `batch_size`, each packed with
-`tpu_jobs.batching.pack_rows` (prompt right-aligned, context left-aligned) into widths
+`tpu_jobs.model.batching.pack_rows` (prompt right-aligned, context left-aligned) into widths
 and a row count rounded up to the sampler's buckets, and run through ONE jitted forward;
 the logits are read at each row's last real position. So a run compiles a bounded number
 of shapes, swapping weights never recompiles (the weights are traced, not constants), and
@@ -56,9 +56,14 @@ from pipeline.config import ModelConfig, from_dict
 from pipeline.run import Run, orm_server
 from pipeline.tasks.judge import JUDGE_SUFFIX, VERDICT_NO, VERDICT_YES, judge_context
 from pipeline.tokenizer import Tokenizer
-from tpu_jobs.batching import pack_rows
-from tpu_jobs.model import Transformer, init_model, load_flat_params, positions_from_mask
-from tpu_jobs.sampler import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BUCKETS, bucket
+from tpu_jobs.generate.static import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BUCKETS, bucket
+from tpu_jobs.model.batching import pack_rows
+from tpu_jobs.model.transformer import (
+    Transformer,
+    init_model,
+    load_flat_params,
+    positions_from_mask,
+)
 
 __all__ = [
     "load_orm",

@@ -44,8 +44,8 @@ import numpy as np
 from flax import nnx
 
 from pipeline.config import ModelConfig
-from tpu_jobs.constraints import constrain
-from tpu_jobs.lm_head import head_logits, token_logprobs
+from tpu_jobs.model.constraints import constrain
+from tpu_jobs.model.lm_head import head_logits, token_logprobs
 
 DTYPES: dict[str, jnp.dtype] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # model.remat -> the `jax.checkpoint` policy of a decoder layer without a cache (what to
@@ -243,7 +243,9 @@ class Attention(nnx.Module):
         """Attention of post-RoPE q [B, T, heads, hd] over k, v [B, T, kv, hd] (and the
         cache, which gets them written at `slot`): (output [B, T, heads*hd] before o_proj,
         updated (k, v) cache arrays or None)."""
-        if hasattr(cache_kv, "attend"):  # a cache kept outside the model (tpu_jobs.kv_pages)
+        if hasattr(
+            cache_kv, "attend"
+        ):  # a cache kept outside the model (tpu_jobs.generate.kv_pages)
             return cache_kv.attend(q, k, v)
         b, t, _, hd = q.shape
         nkv, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
@@ -486,7 +488,7 @@ class Transformer(nnx.Module):
 
     def head(self) -> tuple[jax.Array, bool]:
         """The LM head's weight and whether it is [vocab, hidden] (the tied embedding)
-        rather than [hidden, vocab] (lm_head.kernel); for `tpu_jobs.lm_head`."""
+        rather than [hidden, vocab] (lm_head.kernel); for `tpu_jobs.model.lm_head`."""
         if self.lm_head is None:
             return self.embed_tokens.embedding[...], True
         return self.lm_head.kernel[...], False
@@ -510,7 +512,7 @@ class Transformer(nnx.Module):
         """Final hidden states [B, T, H] (after the last RMSNorm, in the compute dtype) and
         the updated cache: `__call__` without the LM head (same arguments).
 
-        `segments` [B, T] int (no cache; `tpu_jobs.packing`): several sequences per row,
+        `segments` [B, T] int (no cache; `tpu_jobs.learning.packing`): several sequences per row,
         query i sees key j iff j <= i and both are in the same segment (> 0)."""
         cdt = _dtype(dtype or self.cfg.dtype)
         b, t = tokens.shape
@@ -616,7 +618,7 @@ def visible_keys(key_mask: jax.Array, slot: jax.Array, t: int) -> jax.Array:
 
 def segment_visible(segments: jax.Array) -> jax.Array:
     """[B, T, T] bool: query i sees key j iff j <= i and segments[:, j] == segments[:, i]
-    > 0 (packed rows, `tpu_jobs.packing`)."""
+    > 0 (packed rows, `tpu_jobs.learning.packing`)."""
     t = segments.shape[1]
     causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
     same = segments[:, :, None] == segments[:, None, :]
@@ -642,7 +644,7 @@ def sequence_logprobs(
     the model's parameters.
 
     The LM head runs only on the positions that predict tokens first.., in chunks of
-    `cfg.logits_chunk` tokens (`tpu_jobs.lm_head.token_logprobs`): no [B, T, V] logits."""
+    `cfg.logits_chunk` tokens (`tpu_jobs.model.lm_head.token_logprobs`): no [B, T, V] logits."""
     logp, _ = token_logprobs_of(model, tokens, mask, temperature, first=first)
     return logp
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from pipeline.tasks import get_task
 from pipeline.tasks.base import Problem
-from tpu_jobs import mesh as meshlib
+from tpu_jobs.model import mesh as meshlib
 
 # Domain separators of the key streams (one per job that samples).
 ROLLOUT_STREAM = 0x0A11  # rollout batches
@@ -63,7 +63,7 @@ class Scored:
     rewards: np.ndarray  # float32 [rows]: the task verifier's reward
     verify_s: float = 0.0  # seconds the verifiers ran (on the background thread)
     verify_wait_s: float = 0.0  # seconds the caller waited for them after generating
-    # Tool episodes (tpu_jobs.episodes): per row, the loss mask (0 on observation tokens),
+    # Tool episodes (tpu_jobs.generate.episodes): per row, the loss mask (0 on observation tokens),
     # the turns, the tool calls and the failed calls' ERROR_KINDS; None for single turns.
     loss_masks: list[list[int]] | None = None
     turns: list[int] | None = None

@@ -1,6 +1,6 @@
 """The sampler's one-token decode step, in two memory layouts (a registry).
 
-* ``token_major``: the model's own forward (`tpu_jobs.model.Transformer`): activations
+* ``token_major``: the model's own forward (`tpu_jobs.model.transformer.Transformer`): activations
   [batch, hidden], every projection ``x @ kernel`` with kernels [in, out]. The usual
   layout on GPU/TPU.
 * ``feature_major``: the same math on activations [hidden, batch], every projection
@@ -35,7 +35,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from tpu_jobs.model import DTYPES, KVCache, Transformer, rms_norm, rope_tables, visible_keys
+from tpu_jobs.model.transformer import (
+    DTYPES,
+    KVCache,
+    Transformer,
+    rms_norm,
+    rope_tables,
+    visible_keys,
+)
 
 
 @dataclass(frozen=True)

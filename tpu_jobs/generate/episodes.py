@@ -1,5 +1,5 @@
 """Multi-turn episodes with a tool: the token-level loop that drives the engine
-(`tpu_jobs.engine`) and an environment (`pipeline.environments`).
+(`tpu_jobs.generate.engine`) and an environment (`pipeline.environments`).
 
 An episode of row r (prompt p_r, key k_r) runs in rounds:
 
@@ -51,9 +51,9 @@ import numpy as np
 from pipeline.config import EnvironmentConfig
 from pipeline.environments import Environment, make_environment
 from pipeline.tasks.base import Problem
-from tpu_jobs.engine import Engine, Request, Resume
-from tpu_jobs.sampler import key_data
-from tpu_jobs.sampling import Scored, sample_and_verify, verify_rows
+from tpu_jobs.generate.engine import Engine, Request, Resume
+from tpu_jobs.generate.sample_verify import Scored, sample_and_verify, verify_rows
+from tpu_jobs.generate.static import key_data
 
 
 @dataclass
@@ -287,7 +287,7 @@ def sample_episodes_and_verify(
     top_p: float = 1.0,
     dtype: str = "float32",
 ) -> Scored:
-    """`tpu_jobs.sampling.sample_and_verify`'s contract for tool episodes: one episode per
+    """`tpu_jobs.generate.sample_verify.sample_and_verify`'s contract for tool episodes: one episode per
     row, its final answer scored by its task's verifier, minus `failed_call_penalty` per
     failed call. The Scored carries the loss masks, turns, tool calls and errors and the
     time split (`generate_s`, `tool_s`)."""

@@ -1,14 +1,14 @@
 """A continuous-batching rollout engine: a fixed number of slots over a paged KV cache,
 decode in jitted chunks, refill between chunks, one prefill per prompt group, stop
 sequences and resumable requests. The default sampler of every job that samples
-(`tpu_jobs.samplers`); `tpu_jobs.sampler.Sampler` (one static batch until its longest
+(`tpu_jobs.generate.registry`); `tpu_jobs.generate.static.Sampler` (one static batch until its longest
 row ends) is the reference it is tested against.
 
 How a call runs (`Engine.run`; `Engine.generate` is the static sampler's interface):
 
 * Requests wait in a FIFO queue. Fresh requests with the same prompt form a *group*
   (the G samples of a prompt): the prompt is prefilled once, into pages the group's
-  members share (`tpu_jobs.kv_pages`); each member copies only the prompt's last,
+  members share (`tpu_jobs.generate.kv_pages`); each member copies only the prompt's last,
   partial page, which it goes on writing. The prefill runs the LM head at each row's
   last position only.
 * Between decode chunks, free slots are refilled from the queue: one batched prefill
@@ -50,8 +50,7 @@ import numpy as np
 from flax import nnx
 
 from pipeline.config import ModelConfig
-from tpu_jobs import mesh as meshlib
-from tpu_jobs.kv_pages import (
+from tpu_jobs.generate.kv_pages import (
     PAGED_ATTENTION,
     PagedKV,
     PagedLayer,
@@ -64,8 +63,7 @@ from tpu_jobs.kv_pages import (
     page_bytes,
     scatter_rows,
 )
-from tpu_jobs.model import DTYPES, Transformer, rope_tables
-from tpu_jobs.sampler import (
+from tpu_jobs.generate.static import (
     DEFAULT_PROMPT_BUCKETS,
     NOISE_BUDGET,
     SampleResult,
@@ -77,6 +75,8 @@ from tpu_jobs.sampler import (
     same_arrays,
     sample_step,
 )
+from tpu_jobs.model import mesh as meshlib
+from tpu_jobs.model.transformer import DTYPES, Transformer, rope_tables
 
 STOP_REASONS = ("eos", "stop", "length")
 
@@ -238,7 +238,7 @@ def paged_hidden(
 
 def _layers(model, tokens, positions, kv: PagedKV, view, dtype) -> tuple[jax.Array, PagedKV]:
     """The model's layers over tokens [B, T], each attending through `view(k, v)` of its
-    layer's keys/values in `kv` (tpu_jobs.kv_pages); (final hidden states, new kv)."""
+    layer's keys/values in `kv` (tpu_jobs.generate.kv_pages); (final hidden states, new kv)."""
     x = model.embed_tokens(tokens).astype(DTYPES[dtype])
     cos, sin = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_theta)
     ks, vs = list(kv.k), list(kv.v)
@@ -520,7 +520,7 @@ class Engine:
         top_p: float = 1.0,
         dtype: str = "float32",
     ) -> SampleResult:
-        """`tpu_jobs.sampler.Sampler.generate`'s contract, through `run`."""
+        """`tpu_jobs.generate.static.Sampler.generate`'s contract, through `run`."""
         n = len(prompts)
         if n == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.airflow_local import PASSWORDS_FILE, free_port
+from pipeline.net import free_port
+from pipeline.ops.airflow_local import PASSWORDS_FILE
 from pipeline.queues import DEFAULT_QUEUE, NODE_ENV, ROLLOUT_QUEUE, TRAINER_QUEUE
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

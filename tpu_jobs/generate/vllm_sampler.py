@@ -53,12 +53,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from pipeline.airflow_local import free_port
 from pipeline.config import ModelConfig
+from pipeline.net import free_port
 from tpu_jobs import hf
-from tpu_jobs.kv_pages import page_bytes
-from tpu_jobs.model import flat_params
-from tpu_jobs.sampler import SampleResult, check_sampling_args, key_data, same_arrays
+from tpu_jobs.generate.kv_pages import page_bytes
+from tpu_jobs.generate.static import SampleResult, check_sampling_args, key_data, same_arrays
+from tpu_jobs.model.transformer import flat_params
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -14,7 +14,8 @@ import time
 
 from tqdm import tqdm
 
-from pipeline.launcher import Fleet, worker_ids
+from pipeline.layout import worker_ids
+from pipeline.ops.launcher import Fleet
 from pipeline.problem_sets import write_data
 from pipeline.run import DONE_KEY, Run
 

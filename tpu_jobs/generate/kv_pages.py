@@ -8,7 +8,7 @@ chunk) go there, so every program has static shapes and no branch. A sequence's 
 the list of its pages in order, its *block table* row: token position p lives in page
 `table[p // page_size]` at offset `p % page_size`. Pages are handed out by `PagePool`, a
 host-side allocator with reference counts, so a prompt's full pages can be shared by the
-G samples of a group (`tpu_jobs.engine`).
+G samples of a group (`tpu_jobs.generate.engine`).
 
 Memory is the pool, sized by a token budget (`num_pages * page_size` tokens), not batch x
 maximum length: what it holds at a time is the tokens actually in flight.
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipeline.config import ModelConfig
-from tpu_jobs.model import ATTENTION, DTYPES
+from tpu_jobs.model.transformer import ATTENTION, DTYPES
 
 
 class PoolExhausted(RuntimeError):
@@ -172,7 +172,7 @@ PAGED_ATTENTION: dict[str, Callable[..., jax.Array]] = {"gather": _gather_attent
 
 @dataclass(frozen=True)
 class PagedLayer:
-    """One layer's view of the pool for `Attention.attend` (tpu_jobs.model): writes the
+    """One layer's view of the pool for `Attention.attend` (tpu_jobs.model.transformer): writes the
     new keys/values at (write_page, write_offset) [B, T] and attends over `table`."""
 
     k: jax.Array

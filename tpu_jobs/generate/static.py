@@ -18,7 +18,7 @@ program is updated in place, and it uses the model's per-layer KV cache layout
 (`init_cache(per_layer=True)`), which the attention matmuls read without the per-step
 transposes of the stacked layout. Together with the up-front noise this halved the time of
 the `demo` preset. Larger models are bound by the float32 matmuls of the decode steps,
-which the feature-major decode layout (tpu_jobs.decode, the default on CPU for hidden
+which the feature-major decode layout (tpu_jobs.generate.decode, the default on CPU for hidden
 sizes >= 256) runs ~10-15% faster; its transposed weights are prepared once per weight
 version and kept.
 
@@ -41,9 +41,9 @@ import numpy as np
 from flax import nnx
 
 from pipeline.config import ModelConfig
-from tpu_jobs import mesh as meshlib
-from tpu_jobs.decode import DECODE_LAYOUTS, DecodeLayout, default_layout
-from tpu_jobs.model import DTYPES, KVCache, Transformer, init_cache, positions_from_mask
+from tpu_jobs.generate.decode import DECODE_LAYOUTS, DecodeLayout, default_layout
+from tpu_jobs.model import mesh as meshlib
+from tpu_jobs.model.transformer import DTYPES, KVCache, Transformer, init_cache, positions_from_mask
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
@@ -180,7 +180,7 @@ def _cast_state(state: nnx.State, dtype: str) -> nnx.State:
 
 def _prepare(graphdef: nnx.GraphDef, state: nnx.State, *, layout: DecodeLayout, dtype: str):
     """(the state in the compute dtype, or None when it is float32 already; the decode
-    layout's weights (tpu_jobs.decode) in that dtype). The cast state is made once per
+    layout's weights (tpu_jobs.generate.decode) in that dtype). The cast state is made once per
     weight version and passed to the generate programs, so a bf16 program holds bf16
     weights only, not float32 ones plus a bf16 copy made inside every call."""
     cast = _cast_state(state, dtype)
@@ -304,16 +304,16 @@ class Sampler:
     recompiles. `generate(model, ...)` splits the model on each call (~0.1 ms); callers
     that reuse one weight version may call `set_weights(model)` once and pass model=None.
 
-    `mesh` (see tpu_jobs.mesh): weights are placed by `PARAM_RULES`, prompts and the KV
+    `mesh` (see tpu_jobs.model.mesh): weights are placed by `PARAM_RULES`, prompts and the KV
     cache split over data x fsdp (batch buckets rounded up to a multiple of that size).
 
     `kv_token_budget` (sampler.kv_token_budget): at most that many KV-cache token slots
     per generate program; a call over more runs in consecutive parts of at most
     `rows_per_call` rows (each row's tokens do not depend on the others'). 0: no bound.
 
-    `decode_layout`: a name in `tpu_jobs.decode.DECODE_LAYOUTS`; None picks the faster one
+    `decode_layout`: a name in `tpu_jobs.generate.decode.DECODE_LAYOUTS`; None picks the faster one
     for the model and the platform of the mesh (or the default device): feature_major on
-    CPU for hidden sizes >= 256 (`tpu_jobs.decode.default_layout`). feature_major keeps a
+    CPU for hidden sizes >= 256 (`tpu_jobs.generate.decode.default_layout`). feature_major keeps a
     transposed copy of the weights it last saw (as much memory again as the weights).
     """
 
@@ -440,7 +440,7 @@ class Sampler:
     ) -> jax.stages.Wrapped:
         """The jitted generate program of one bucket's settings, taking (state, decode
         weights, tokens, mask, keys, cache, max_new, temperature, top_k, top_p); the KV
-        cache is donated. `generate` compiles it per bucket; `tpu_jobs.memory` lowers it
+        cache is donated. `generate` compiles it per bucket; `tpu_jobs.learning.memory` lowers it
         for abstract inputs."""
         fn = functools.partial(
             _generate,

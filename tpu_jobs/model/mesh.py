@@ -11,7 +11,7 @@ Mesh axes (outermost first):
   the embedding and LM head. On TPU keep it within a slice (ICI), on GPUs within a node.
 
 Which parameter gets which `PartitionSpec` is data (`PARAM_RULES`): regexes on the flat
-parameter names of `tpu_jobs.model` (``layers.3.mlp.down_proj.kernel``), first match wins.
+parameter names of `tpu_jobs.model.transformer` (``layers.3.mlp.down_proj.kernel``), first match wins.
 The same rules apply to any pytree that embeds the parameters (optimizer states name their
 leaves ``0.mu.layers.3.mlp.down_proj.kernel``), so Adam moments follow their parameters.
 An axis that does not divide a dimension is dropped for that dimension (replicated), so
@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
 
-# (regex on the flat name, spec). Kernels are [in, out] (see tpu_jobs.model).
+# (regex on the flat name, spec). Kernels are [in, out] (see tpu_jobs.model.transformer).
 PARAM_RULES: tuple[tuple[str, P], ...] = (
     # [vocab, hidden]: vocabulary-parallel over every model axis, so the LM head (tied or
     # not) computes each device's slice of the logits without gathering the weight.
@@ -187,7 +187,7 @@ def initialize_distributed(
 
 def path_name(path: Sequence[Any]) -> str:
     """Dotted name of a pytree key path: ``layers.0.mlp.down_proj.kernel`` (NNX's `.value`
-    attribute dropped), matching the flat names of `tpu_jobs.model.flat_params`."""
+    attribute dropped), matching the flat names of `tpu_jobs.model.transformer.flat_params`."""
     parts = []
     for key in path:
         if isinstance(key, jax.tree_util.DictKey):
@@ -352,9 +352,9 @@ def to_host(tree: Any) -> Any:
 
 
 def cache_sharding(mesh: Mesh, cache: Any) -> Any:
-    """Shardings for a `tpu_jobs.model.KVCache` (either layout): batch over data x fsdp,
+    """Shardings for a `tpu_jobs.model.transformer.KVCache` (either layout): batch over data x fsdp,
     KV heads over tensor when they divide (matching the column-parallel k/v kernels)."""
-    from tpu_jobs.model import KVCache
+    from tpu_jobs.model.transformer import KVCache
 
     if cache.per_layer:  # k[i]: [B, kv, hd, S], v[i]: [B, kv, S, hd]
         heads = cache.k[0].shape[1]

@@ -22,19 +22,19 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-# logical dimension name -> mesh axes (tpu_jobs.mesh.AXES). None: replicated.
+# logical dimension name -> mesh axes (tpu_jobs.model.mesh.AXES). None: replicated.
 ACTIVATION_RULES: dict[str, tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),  # rows of a batch: pure and sharded data parallelism
     "heads": ("tensor",),  # attention heads (query and KV): column-parallel q/k/v
     "mlp": ("tensor",),  # the MLP's intermediate units: column-parallel gate/up
     # The LM head's logits: vocabulary-parallel over every model axis, like its weight
-    # (tpu_jobs.mesh.PARAM_RULES); the head's few rows of hidden states are gathered instead.
+    # (tpu_jobs.model.mesh.PARAM_RULES); the head's few rows of hidden states are gathered instead.
     "vocab": ("tensor", "fsdp"),
 }
 
 
 def _axes_of(mesh: jax.sharding.AbstractMesh, name: str | None, dim: int) -> tuple[str, ...]:
-    """The leading mesh axes of `name`'s rule whose sizes divide `dim` (tpu_jobs.mesh's
+    """The leading mesh axes of `name`'s rule whose sizes divide `dim` (tpu_jobs.model.mesh's
     `fit_spec` rule: an axis that does not divide a dimension leaves it replicated)."""
     if name is None:
         return ()

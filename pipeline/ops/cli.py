@@ -22,7 +22,7 @@
 
 Overrides are dotted config paths, e.g. `trainer.lr=3e-4 task.families=arithmetic` or
 `mesh.trainer=[1,-1,1]` (device meshes, docs/scaling.md).
-Job roles run as their own processes through `pipeline.launcher`, the same command a
+Job roles run as their own processes through `pipeline.ops.launcher`, the same command a
 cluster would run.
 """
 
@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from pipeline import launcher
 from pipeline.config import load_config
 from pipeline.entrypoint import DEBUG_ENV, run_main
 from pipeline.errors import ArgumentError
+from pipeline.ops import launcher
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 DEFAULT_CHAOS_CONFIG = DEFAULT_CONFIG.parent / "chaos.yaml"
@@ -55,12 +55,12 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pipeline.demo import run_demo
+    from pipeline.ops.demo import run_demo
     from pipeline.run import Run
 
     cfg = _config(args)
     if getattr(args, "airflow", False):
-        from pipeline.airflow_local import demo_via_airflow
+        from pipeline.ops.airflow_local import demo_via_airflow
 
         return demo_via_airflow(
             cfg,
@@ -77,7 +77,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_airflow(args: argparse.Namespace) -> int:
-    from pipeline.airflow_local import DEFAULT_HOME, serve
+    from pipeline.ops.airflow_local import DEFAULT_HOME, serve
 
     return serve(Path(args.home or DEFAULT_HOME), port=args.port, parallelism=args.parallelism)
 
@@ -93,7 +93,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_chaos(args: argparse.Namespace) -> int:
     import json
 
-    from pipeline.chaos import ChaosSettings, format_report, run_chaos
+    from pipeline.ops.chaos import ChaosSettings, format_report, run_chaos
 
     cfg = load_config(args.config or DEFAULT_CHAOS_CONFIG, args.overrides)
     root = args.root or f"{cfg.storage.root.rstrip('/')}/chaos-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -130,8 +130,8 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_sandbox_serve(args: argparse.Namespace) -> int:
-    from pipeline.sandbox.http_guard import HttpLimits
-    from pipeline.sandbox.service import MAX_WORKER_KINDS, serve
+    from pipeline.ops.http_guard import HttpLimits
+    from pipeline.ops.sandbox_service import MAX_WORKER_KINDS, serve
 
     # Checked before anything starts: a bad value is one line (exit 2), not a traceback.
     http = HttpLimits(
@@ -168,7 +168,7 @@ def cmd_sandbox_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
-    from pipeline.stack import main as stack_main
+    from pipeline.ops.stack import main as stack_main
 
     return stack_main(args.stack_args)
 
@@ -344,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="distinct rlax_limits worker kinds (packages, warmup, mounts) kept at once "
         "(default 8)",
     )
-    from pipeline.sandbox.http_guard import HttpLimits
+    from pipeline.ops.http_guard import HttpLimits
 
     http = HttpLimits()
     p.add_argument(

@@ -66,7 +66,7 @@ def compile_train_step(
 ) -> Any:
     """The trainer's fused step for `cfg`, compiled for abstract inputs (see
     `train_step_memory`); its `as_text()` is the partitioned HLO."""
-    from tpu_jobs import mesh as meshlib
+    from tpu_jobs.model import mesh as meshlib
     from tpu_jobs.trainer import Learner, StepInputs
 
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, fused_step=True))
@@ -103,8 +103,8 @@ def sampler_memory(
     sampler.kv_token_budget, of the program of one part of the call (`rows_per_call`)."""
     from flax import nnx
 
-    from tpu_jobs.model import init_cache, init_model
-    from tpu_jobs.sampler import Sampler
+    from tpu_jobs.generate.static import Sampler
+    from tpu_jobs.model.transformer import init_cache, init_model
 
     sampler = Sampler(cfg.model, kv_token_budget=cfg.sampler.kv_token_budget)
     batch = sampler.rows_per_call(batch, prompt_len + new_tokens)  # one program's rows

@@ -5,7 +5,7 @@ completions end long before the limit (the demo's median is a tenth of it), so m
 padded batch's forward and backward work is padding. `pack` lays the real tokens of every
 row end to end into fewer rows of the same length (first-fit decreasing, deterministic),
 with per-token segment ids and positions that restart at 0 in each segment. The model
-attends only within a segment (`tpu_jobs.model.Transformer.hidden(..., segments=)`), so
+attends only within a segment (`tpu_jobs.model.transformer.Transformer.hidden(..., segments=)`), so
 every token sees exactly the prefix it saw unpacked, at the same position: the numbers
 are the unpacked ones up to float rounding.
 

@@ -15,7 +15,13 @@ import optax
 from flax import nnx
 
 from pipeline.config import ModelConfig
-from tpu_jobs.model import Transformer, flat_params, init_model, load_flat_params, sequence_logprobs
+from tpu_jobs.model.transformer import (
+    Transformer,
+    flat_params,
+    init_model,
+    load_flat_params,
+    sequence_logprobs,
+)
 
 
 @dataclass

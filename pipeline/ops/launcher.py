@@ -51,11 +51,6 @@ HF_MODULE = "tpu_jobs.hf"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker_ids(n: int) -> list[str]:
-    """The names of a run's `n` rollout workers (their leases and logs carry them)."""
-    return [f"worker{i}" for i in range(n)]
-
-
 def job_command(role: str, run_url: str, extra: Sequence[str] = ()) -> list[str]:
     if role not in JOBS:
         raise ValueError(f"unknown job role {role!r}; allowed: {', '.join(JOBS)}")
@@ -181,7 +176,7 @@ def with_parent_death_signal(cmd: Sequence[str]) -> list[str]:
 _WATCHDOG = (
     "import sys\n"
     "sys.path.insert(0, sys.argv[1])\n"
-    "from pipeline.launcher import watch\n"
+    "from pipeline.ops.launcher import watch\n"
     "watch(int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))\n"
 )
 

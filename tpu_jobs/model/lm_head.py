@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tpu_jobs.constraints import constrain
+from tpu_jobs.model.constraints import constrain
 
 
 def head_logits(hidden: jax.Array, weight: jax.Array, *, vocab_major: bool) -> jax.Array:
@@ -45,7 +45,7 @@ def _token_stats(
     """Dense (log p(target), entropy | None) for hidden [..., H] and targets [...]."""
     logits = head_logits(hidden, weight, vocab_major=vocab_major)
     # On a mesh: every device computes its slice of the vocabulary for all of the tokens
-    # (the weight is vocabulary-parallel, tpu_jobs.mesh.PARAM_RULES), so a device holds
+    # (the weight is vocabulary-parallel, tpu_jobs.model.mesh.PARAM_RULES), so a device holds
     # tokens x V / devices logits and the weight is never gathered.
     logits = constrain(logits, *[None] * (logits.ndim - 1), "vocab")
     logp = jax.nn.log_softmax(logits / temp, axis=-1)

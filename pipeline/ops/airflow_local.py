@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import launcher
+from pipeline.net import free_port
+from pipeline.ops import launcher
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HOME = PROJECT_ROOT / "airflow_home"
@@ -55,12 +55,6 @@ class AirflowError(RuntimeError):
 
 
 DB_RETRIES = 5  # REST calls answered "Database error" (a locked SQLite database)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_password(home: Path, user: str = ADMIN) -> str:

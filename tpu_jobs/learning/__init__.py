@@ -1,0 +1,2 @@
+"""Learning: the RL losses, sequence packing, the value head, trainer checkpoints and what
+XLA says the step needs. Library code: no job lives here."""
