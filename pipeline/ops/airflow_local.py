@@ -35,9 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.net import free_port
-from pipeline.ops import launcher
+from pipeline.ops import PROJECT_ROOT, processes
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HOME = PROJECT_ROOT / "airflow_home"
 DAGS_FOLDER = PROJECT_ROOT / "dags"
 RL_DAG_ID = "rlax_rl_training"
@@ -168,7 +167,7 @@ class LocalAirflow:
         try:
             # Its own process group, stopped as a whole; the watchdog stops that group if
             # this process dies (standalone's own children would outlive it).
-            self.proc = launcher.spawn(
+            self.proc = processes.spawn(
                 [str(Path(sys.executable).parent / "airflow"), "standalone"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -222,7 +221,7 @@ class LocalAirflow:
         """SIGTERM the whole process group (scheduler, workers, API server...), then SIGKILL."""
         if self.proc is None:
             return
-        launcher.stop_group(self.proc.pid, timeout, reap=self.proc)
+        processes.stop_group(self.proc.pid, timeout, reap=self.proc)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
         self.proc = None

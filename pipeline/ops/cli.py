@@ -40,9 +40,9 @@ from typing import NoReturn
 from pipeline.config import load_config
 from pipeline.entrypoint import DEBUG_ENV, run_main
 from pipeline.errors import ArgumentError
-from pipeline.ops import launcher
+from pipeline.ops import PROJECT_ROOT, launcher
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "demo.yaml"
 DEFAULT_CHAOS_CONFIG = DEFAULT_CONFIG.parent / "chaos.yaml"
 
 

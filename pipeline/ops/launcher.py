@@ -4,13 +4,10 @@
 a cluster run differ only in where the very same command lands (a local process here;
 a Kubernetes pod, a TPU VM or a Dataflow job at scale).
 
-Supervision. Every child starts in its own process group (`spawn`), so it is stopped as a
-whole, and with PR_SET_PDEATHSIG: if the process that started it dies, even by SIGKILL, the
-child gets SIGTERM (the trainer checkpoints on it, a worker finishes its batch). A child with
-children of its own (Airflow's dozen processes) also gets a watchdog (`watchdog=True`): a
-small sidecar process that stops the child's whole group when the parent dies. In the
-foreground (`run_supervised`, `rlax train` and the other role commands) SIGTERM, SIGINT and
-SIGHUP to the parent are forwarded to the child's group.
+Supervision. Every child starts through `pipeline.ops.processes.spawn`: in its own
+process group, stopped as a whole, tied to this process's life. In the foreground
+(`run_supervised`, `rlax train` and the other role commands) SIGTERM, SIGINT and SIGHUP
+to the parent are forwarded to the child's group.
 
 Three ways to run a job, for three kinds of caller: `run_job` (the foreground of `rlax
 train` and the other role commands), `stream` (an Airflow task: the job's output copied
@@ -21,7 +18,6 @@ jobs in the background, each with its log file, any failure stopping the rest).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shlex
 import signal
@@ -33,6 +29,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from pipeline.ops import PROJECT_ROOT
+from pipeline.ops.processes import spawn, stop_group
 
 # role -> python module with a `main(argv)` entry point taking `--run URL`
 JOBS: dict[str, str] = {
@@ -48,7 +47,6 @@ JOBS: dict[str, str] = {
 # Jobs that are not about one run (no `--run`): the Beam curation job and the HF tools.
 CURATE_MODULE = "beam_jobs.curate"
 HF_MODULE = "tpu_jobs.hf"
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def job_command(role: str, run_url: str, extra: Sequence[str] = ()) -> list[str]:
@@ -146,123 +144,7 @@ def hf_model_overrides(checkpoint: str) -> list[str]:
 
 # ----------------------------------------------------------------------- supervision
 
-_PR_SET_PDEATHSIG = 1
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-# PR_SET_PDEATHSIG is set by a tiny exec wrapper (python -I -S: ~10 ms), not by a
-# preexec_fn: Python code between fork and exec can deadlock in a multithreaded parent
-# (JAX's, Airflow's), e.g. on the loader lock ctypes needs. The death signal survives exec;
-# a parent that died before prctl is caught by the getppid check.
-_PDEATHSIG_EXEC = (
-    "import ctypes, os, signal, sys\n"
-    f"ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(143)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-def with_parent_death_signal(cmd: Sequence[str]) -> list[str]:
-    """`cmd`, wrapped so that it gets SIGTERM when this process dies, even by SIGKILL
-    (Linux; elsewhere `cmd` unchanged)."""
-    if not sys.platform.startswith("linux"):
-        return list(cmd)
-    return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
-
-
-# The watchdog sidecar: this module run by `python -I -S` (no site-packages: ~30 ms to
-# start) with the project on its path; `watch` does the rest.
-_WATCHDOG = (
-    "import sys\n"
-    "sys.path.insert(0, sys.argv[1])\n"
-    "from pipeline.ops.launcher import watch\n"
-    "watch(int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]))\n"
-)
-
-
-def watch(group: int, grace_s: float, parent: int) -> None:
-    """The watchdog's body: SIGTERM when `parent` (the process that spawned the child)
-    dies; then stop the child's `group` (`stop_group`). Exits by itself once the group is
-    gone."""
-
-    def stop(*_: Any) -> None:
-        stop_group(group, grace_s)
-        os._exit(0)
-
-    signal.signal(signal.SIGTERM, stop)
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # it died before the prctl
-        stop()
-    while group_alive(group):
-        time.sleep(1.0)
-
-
-def spawn(
-    cmd: Sequence[str],
-    *,
-    env: dict[str, str] | None = None,
-    cwd: str | os.PathLike[str] | None = None,
-    stdin: Any = None,
-    stdout: IO[bytes] | int | None = None,
-    stderr: IO[bytes] | int | None = None,
-    watchdog: bool = False,
-    grace_s: float = 30.0,
-    umask: int = -1,
-) -> subprocess.Popen:
-    """Start `cmd` in its own process group, tied to this process's life (see above);
-    `umask` >= 0 sets the child's file-creation mask."""
-    proc = subprocess.Popen(
-        with_parent_death_signal(cmd),
-        env=env,
-        umask=umask,
-        cwd=cwd,
-        stdin=stdin,
-        stdout=stdout,
-        stderr=stderr,
-        start_new_session=True,
-    )
-    if watchdog:
-        subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(PROJECT_ROOT)]
-            + [str(proc.pid), str(grace_s), str(os.getpid())],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # not in the group it stops
-        )
-    return proc
-
-
-def group_alive(pgid: int) -> bool:
-    """Some process of group `pgid` exists (a leader not yet reaped counts)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stop_group(pgid: int, grace_s: float, reap: subprocess.Popen | None = None) -> None:
-    """SIGTERM process group `pgid` (the trainer checkpoints on it), wait up to `grace_s`
-    for all of it to be gone, then SIGKILL it. `reap`: the group leader when it is our
-    child (reaped while waiting: an unreaped leader keeps the group in the process table)."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and group_alive(pgid):
-            if reap is None:
-                time.sleep(0.2)
-            else:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    reap.wait(0.2)
-        if not group_alive(pgid):
-            return
 
 
 def exit_status(returncode: int) -> int:

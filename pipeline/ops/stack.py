@@ -47,10 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.net import free_port
+from pipeline.ops import PROJECT_ROOT
 from pipeline.ops.airflow_local import PASSWORDS_FILE
+from pipeline.ops.processes import kill_tree, start_time, stop_group
 from pipeline.queues import DEFAULT_QUEUE, NODE_ENV, ROLLOUT_QUEUE, TRAINER_QUEUE
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = PROJECT_ROOT / "stack"
 STATE_FILE = "state.json"
 SECRETS_FILE = "secrets.json"
@@ -70,85 +71,6 @@ SECRET_NAMES = (
 
 class StackError(RuntimeError):
     """A service could not be installed, started or found healthy."""
-
-
-# ------------------------------------------------------------------ processes
-
-
-def start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot), None if it is gone: with
-    the pid it names one process, not whatever process later reuses the number."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] == "Z":  # a zombie is gone for our purposes
-        return None
-    return int(fields[19])
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, across sessions and process groups (jobs the launcher
-    started in groups of their own included)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def group_running(pgid: int) -> bool:
-    """A process of group `pgid` still runs (zombies, which an unreaped child leaves when
-    `up` ran in this very process, do not count; `launcher.group_alive` counts them)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
-
-
-def stop_group(pgid: int, first: int, grace_s: float) -> None:
-    """Signal group `pgid` with `first`, then SIGTERM, and SIGKILL what is left after
-    `grace_s`; reap the leader if it is our child."""
-    for sig, wait in ((first, 0.0), (signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, sig)
-        deadline = time.monotonic() + wait
-        while group_running(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not group_running(pgid):
-            break
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pgid, os.WNOHANG)
-
-
-def kill_tree(pid: int) -> list[int]:
-    """SIGKILL `pid` and everything below it at once, as losing the machine would: all are
-    stopped first (SIGSTOP), so none sees its parent die and reacts (the launcher's jobs
-    get SIGTERM on their parent's death and would checkpoint). Returns the pids killed."""
-    victims = [pid, *descendants(pid)]
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for p in victims:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, sig)
-    return victims
 
 
 # ------------------------------------------------------------------ the stack
@@ -370,7 +292,7 @@ class Stack:
         info = self.procs.get(name)
         if info and self.running(name):
             svc = SERVICES_BY_NAME.get(name)
-            stop_group(info["pid"], svc.stop_signal if svc else signal.SIGTERM, grace_s)
+            stop_group(info["pid"], grace_s, first=svc.stop_signal if svc else signal.SIGTERM)
         self.procs.pop(name, None)
         self.save()
 

@@ -132,9 +132,9 @@ def test_stopping_rlax_rollout_stops_its_worker(waiting_run, sig, tmp_path):
 
 WATCHED = """
 import sys, time
-from pipeline.ops import launcher
+from pipeline.ops import processes
 naps = f"sleep {sys.argv[1]}"
-launcher.spawn(["bash", "-c", f"{naps} & {naps} & wait"], watchdog=True, grace_s=2)
+processes.spawn(["bash", "-c", f"{naps} & {naps} & wait"], watchdog=True, grace_s=2)
 print("spawned", flush=True)
 time.sleep(300)
 """

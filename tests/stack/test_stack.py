@@ -32,7 +32,7 @@ import psutil
 import pytest
 
 from pipeline.leases import BatchLeases
-from pipeline.ops import chaos
+from pipeline.ops import chaos, processes
 from pipeline.ops import stack as stack_mod
 from pipeline.ops.airflow_local import RL_DAG_ID
 from pipeline.ops.airflow_rest import AirflowAPI
@@ -77,7 +77,7 @@ def stack():
         REPORT["stack_down_s"] = round(time.monotonic() - t1, 1)
         mp.undo()
         _say(f"report: {REPORT}")
-        left = [p for p in started if psutil.pid_exists(p) and stack_mod.start_time(p)]
+        left = [p for p in started if psutil.pid_exists(p) and processes.start_time(p)]
         shutil.rmtree(root, ignore_errors=True)
         assert not left, f"processes of the stack still running after down: {left}"
 
@@ -88,7 +88,7 @@ def test_stack_is_healthy_and_listens_on_loopback_only(stack):
     assert {r["service"] for r in rows if r["healthy"]} == expected, rows
     listening: dict[int, str] = {}
     for name, info in stack.procs.items():
-        for pid in [info["pid"], *stack_mod.descendants(info["pid"])]:
+        for pid in [info["pid"], *processes.descendants(info["pid"])]:
             try:
                 conns = psutil.Process(pid).net_connections(kind="inet")
             except psutil.Error:
@@ -121,14 +121,14 @@ def _tis(api: AirflowAPI, dag_run: str) -> dict[tuple[str, int], object]:
 def _under(stack, service: str, pid: int | None) -> bool:
     """`pid` runs under the service's process now (the state file has restarted ones)."""
     info = stack_mod.Stack.load(stack.root).procs.get(service)
-    return bool(pid and info) and pid in stack_mod.descendants(info["pid"])
+    return bool(pid and info) and pid in processes.descendants(info["pid"])
 
 
 def _airflow_pids(stack) -> dict[str, int]:
     """The running api-server, scheduler and DAG processor: service -> pid."""
     procs = stack_mod.Stack.load(stack.root).procs
     names = ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor")
-    return {n: procs[n]["pid"] for n in names if stack_mod.start_time(procs[n]["pid"])}
+    return {n: procs[n]["pid"] for n in names if processes.start_time(procs[n]["pid"])}
 
 
 def _heartbeat_after(health: dict, when: datetime) -> bool:
