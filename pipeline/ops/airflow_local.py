@@ -36,11 +36,11 @@ from typing import Any
 
 from pipeline.net import free_port
 from pipeline.ops import PROJECT_ROOT, processes
+from pipeline.ops.airflow_settings import ADMIN, airflow_settings
 
 DEFAULT_HOME = PROJECT_ROOT / "airflow_home"
-DAGS_FOLDER = PROJECT_ROOT / "dags"
+DAGS_FOLDER = Path(airflow_settings("local")["AIRFLOW__CORE__DAGS_FOLDER"])
 RL_DAG_ID = "rlax_rl_training"
-ADMIN = "admin"
 PASSWORDS_FILE = "simple_auth_manager_passwords.json.generated"
 TERMINAL_RUN_STATES = ("success", "failed")
 
@@ -90,6 +90,7 @@ def airflow_env(
     """Environment of a local `airflow standalone` (LocalExecutor, SQLite, 127.0.0.1)."""
     venv_bin = str(Path(sys.executable).parent)
     env = dict(os.environ)
+    env.update(airflow_settings("local"))
     env.update(
         {
             # Signs the API's JWTs, and the requests to the components' log servers.
@@ -101,26 +102,14 @@ def airflow_env(
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW_HOME": str(home),
             "PATH": venv_bin + os.pathsep + env.get("PATH", ""),
-            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             # One worker process per slot (~60 MB each): the default 32 costs ~1.8 GB.
             "AIRFLOW__CORE__PARALLELISM": str(parallelism),
-            # Airflow's default, said here: a DAG the user did not ask to run waits for them
-            # (the triggered-only RLAX DAGs unpause themselves: `is_paused_upon_creation`).
-            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "True",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN}:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / PASSWORDS_FILE),
-            "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(port),
             "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
             # Task processes reach the API server here; it defaults to port 8080.
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
-            "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
-            # Unauthenticated: loopback only (its default is 0.0.0.0:8974), on a free port.
-            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_HOST": "127.0.0.1",
             "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT": str(free_port()),
-            "AIRFLOW__LOGGING__COLORED_CONSOLE_LOG": "False",
             "NO_PROXY": "127.0.0.1,localhost",
             "no_proxy": "127.0.0.1,localhost",
             "PYTHONUNBUFFERED": "1",

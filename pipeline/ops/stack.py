@@ -49,6 +49,7 @@ from typing import Any
 from pipeline.net import free_port
 from pipeline.ops import PROJECT_ROOT
 from pipeline.ops.airflow_local import PASSWORDS_FILE
+from pipeline.ops.airflow_settings import ADMIN, airflow_settings
 from pipeline.ops.emulators import (
     create_bucket,
     emulator_env,
@@ -63,7 +64,8 @@ DEFAULT_DIR = PROJECT_ROOT / "stack"
 STATE_FILE = "state.json"
 SECRETS_FILE = "secrets.json"
 BUCKET = "rlax-runs"
-ADMIN = "admin"
+HEARTBEAT_ENV = "RLAX_STACK_HEARTBEAT_TIMEOUT_S"
+HEARTBEAT_SETTING = "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT"
 PG_BIN = Path(os.environ.get("RLAX_PG_BIN", "/usr/lib/postgresql/15/bin"))
 PG_USER = "airflow"  # the cluster's superuser and Airflow's database
 SECRET_NAMES = (
@@ -178,53 +180,33 @@ class Stack:
             passwords.chmod(0o600)
         env = dict(os.environ)
         env.update(self.gcs_env())
+        env.update(airflow_settings("stack"))
         env.update(
             {
                 "AIRFLOW_HOME": str(home),
                 "PATH": str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", ""),
                 "PYTHONUNBUFFERED": "1",
-                "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
                 "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.database_url(),
                 "AIRFLOW__CELERY__BROKER_URL": self.broker_url,
                 # Task results in Redis, not in the metadata database: Celery's database
                 # backend retries a failed query three times without waiting, so a
                 # PostgreSQL restart of a few seconds crashed the scheduler (measured).
                 "AIRFLOW__CELERY__RESULT_BACKEND": self.broker_url.removesuffix("/0") + "/1",
-                # Airflow's own retried database calls wait (0.5 s, 1 s, ... 5 s) this many
-                # times (default 3: ~3 s): enough to ride out a database restart.
-                "AIRFLOW__DATABASE__MAX_DB_RETRIES": "12",
-                "AIRFLOW__CORE__DAGS_FOLDER": str(PROJECT_ROOT / "dags"),
-                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-                "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{ADMIN}:admin",
                 "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
                 "AIRFLOW__API_AUTH__JWT_SECRET": self.secrets["jwt_secret"],
                 "AIRFLOW__API__SECRET_KEY": self.secrets["api_secret_key"],
-                "AIRFLOW__API__HOST": "127.0.0.1",
                 "AIRFLOW__API__PORT": str(self.port("airflow-api-server")),
                 "AIRFLOW__API__BASE_URL": self.api_url,
                 "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.api_url}/execution/",
-                # Task instances name the Celery worker that ran them (pipeline.queues).
-                "AIRFLOW__CORE__HOSTNAME_CALLABLE": "pipeline.queues.node_hostname",
-                "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "True",
-                "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_HOST": "127.0.0.1",
                 "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT": str(
                     self.port("scheduler-health")
                 ),
-                # A task whose worker vanished (no heartbeat) is failed, and so retried,
-                # after this long (default 300 s): a preempted node's tasks come back soon.
-                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": os.environ.get(
-                    "RLAX_STACK_HEARTBEAT_TIMEOUT_S", "60"
-                ),
-                "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
-                # The broker hands an unacknowledged task to another worker after this long
-                # (Celery's default 24 h, then it terminates the first): longer than a run.
-                "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT": "604800",
-                "AIRFLOW__LOGGING__COLORED_CONSOLE_LOG": "False",
                 "RLAX_SANDBOX_URL": self.sandbox_url if "sandbox" in self.procs else "",
                 "RLAX_SANDBOX_TOKEN": self.secrets["sandbox_token"],
             }
         )
+        if HEARTBEAT_ENV in os.environ:  # a shorter wait for preemption tests
+            env[HEARTBEAT_SETTING] = os.environ[HEARTBEAT_ENV]
         return env
 
     # -------------------------------------------------------------- lifecycle

@@ -162,3 +162,38 @@ def test_compose_celery_workers_serve_the_queues_the_dags_route_to():
         if s.name.startswith("airflow-worker-")
     }
     assert sorted(local.values(), key=sorted) == sorted(compose.values(), key=sorted)
+
+
+# The compose settings the table leaves to each shape: connection strings and secrets,
+# which compose takes from .env (test_compose_ships_no_default_secrets).
+COMPOSE_OWN = {
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN",
+    "AIRFLOW__CELERY__BROKER_URL",
+    "AIRFLOW__CELERY__RESULT_BACKEND",
+    "AIRFLOW__API_AUTH__JWT_SECRET",
+    "AIRFLOW__API__SECRET_KEY",
+}
+
+
+def test_compose_airflow_settings_are_the_tables():
+    """Every Airflow service of docker-compose.yml gets exactly the `compose` shape of
+    pipeline/ops/airflow_settings.py, plus its own connection strings and secrets."""
+    from pipeline.ops.airflow_settings import airflow_settings
+
+    table = airflow_settings("compose")
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    airflow = {n: s for n, s in services.items() if n.startswith("airflow-")}
+    assert len(airflow) == 7, sorted(airflow)  # init, api-server, scheduler, ... two workers
+    for name, svc in airflow.items():
+        env = {k: v for k, v in svc["environment"].items() if k.startswith("AIRFLOW__")}
+        assert {k: env.get(k) for k in table} == table, name
+        assert set(env) - set(table) == COMPOSE_OWN, name
+
+
+def test_airflow_settings_refuse_an_unknown_shape():
+    from pipeline.ops.airflow_settings import airflow_settings
+
+    with pytest.raises(
+        ValueError, match="unknown Airflow shape 'k8s'; allowed: local, stack, compose"
+    ):
+        airflow_settings("k8s")
