@@ -14,7 +14,8 @@ the parent is stopped, so it is started in a session of its own and stopped as a
 process group.
 
 Only the standard library at module level: the CLI imports this lazily, and the driver
-talks to Airflow over its REST API (v2, JWT from `/auth/token`), never by importing it.
+talks to Airflow over its REST API with the project's one client (`LocalAirflow` is an
+`airflow_rest.AirflowAPI`), never by importing Airflow.
 """
 
 from __future__ import annotations
@@ -26,34 +27,19 @@ import secrets
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pipeline.net import free_port
 from pipeline.ops import PROJECT_ROOT, processes
+from pipeline.ops.airflow_rest import AirflowAPI, AirflowError
 from pipeline.ops.airflow_settings import ADMIN, airflow_settings
 
 DEFAULT_HOME = PROJECT_ROOT / "airflow_home"
 DAGS_FOLDER = Path(airflow_settings("local")["AIRFLOW__CORE__DAGS_FOLDER"])
 RL_DAG_ID = "rlax_rl_training"
 PASSWORDS_FILE = "simple_auth_manager_passwords.json.generated"
-TERMINAL_RUN_STATES = ("success", "failed")
-
-
-class AirflowError(RuntimeError):
-    """The local Airflow did not start, refused a request, or a DAG run failed."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status  # the HTTP status of a refused request
-
-
-DB_RETRIES = 5  # REST calls answered "Database error" (a locked SQLite database)
 
 
 def ensure_password(home: Path, user: str = ADMIN) -> str:
@@ -119,21 +105,21 @@ def airflow_env(
     return env
 
 
-@dataclass
-class LocalAirflow:
-    """`airflow standalone` in the background, driven over the REST API."""
+class LocalAirflow(AirflowAPI):
+    """`airflow standalone` in the background, driven over the REST API as any deployed
+    Airflow is (the `AirflowAPI` calls), started and stopped here."""
 
-    home: Path = DEFAULT_HOME
-    port: int = 0  # 0: a free one
-    parallelism: int = 8
-    env_extra: dict[str, str] = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
-    _token: str | None = None
-    _token_time: float = 0.0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def __init__(
+        self,
+        home: Path = DEFAULT_HOME,
+        port: int = 0,  # 0: a free one
+        parallelism: int = 8,
+        env_extra: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(f"http://127.0.0.1:{port}", ADMIN, "")
+        self.home, self.port, self.parallelism = Path(home), port, parallelism
+        self.env_extra = dict(env_extra or {})
+        self.proc: subprocess.Popen | None = None
 
     @property
     def log_path(self) -> Path:
@@ -150,6 +136,7 @@ class LocalAirflow:
         # The metadata database, the secrets and the task logs: this user's alone.
         self.home.chmod(0o700)
         self.port = self.port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         self.password = ensure_password(self.home)
         env = airflow_env(self.home, self.port, parallelism=self.parallelism, extra=self.env_extra)
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
@@ -186,13 +173,13 @@ class LocalAirflow:
                     f"log tail:\n{self.log_tail()}"
                 )
             try:
-                last = self._request("GET", "/api/v2/monitor/health", auth=False)
+                last = self.health(retry=False)
                 if all(
                     (last.get(part) or {}).get("status") == "healthy"
                     for part in ("metadatabase", "scheduler", "dag_processor")
                 ):
                     return
-            except (urllib.error.URLError, OSError, AirflowError):
+            except Exception:  # noqa: BLE001 - not up yet: the client's errors vary by stage
                 pass
             time.sleep(1.0)
         raise AirflowError(
@@ -221,157 +208,19 @@ class LocalAirflow:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # ------------------------------------------------------------------ REST
-    def token(self) -> str:
-        if self._token is None or time.monotonic() - self._token_time > 600:
-            answer = self._request(
-                "POST",
-                "/auth/token",
-                {"username": ADMIN, "password": self.password},
-                auth=False,
-                retry_writes=True,  # a new token each time: repeating is harmless
-            )
-            self._token = answer["access_token"]
-            self._token_time = time.monotonic()
-        return self._token
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        auth: bool = True,
-        retry_writes: bool = False,
-    ) -> Any:
-        """One REST call. Airflow on SQLite answers HTTP 500 "Database error" when its
-        database stays locked past the busy timeout (scheduler, DAG processor and API server
-        all write to it); such answers are retried with backoff for reads, and for writes
-        when the caller made them idempotent (`retry_writes`)."""
-        data = None if body is None else json.dumps(body).encode()
-        retryable = method in ("GET", "HEAD", "PATCH") or retry_writes
-        for attempt in range(DB_RETRIES + 1):
-            req = urllib.request.Request(self.url + path, data=data, method=method)
-            req.add_header("Accept", "application/json")
-            if data is not None:
-                req.add_header("Content-Type", "application/json")
-            if auth:
-                req.add_header("Authorization", f"Bearer {self.token()}")
-            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-            try:
-                with opener.open(req, timeout=30) as resp:
-                    payload = resp.read()
-                return json.loads(payload) if payload else None
-            except urllib.error.HTTPError as err:
-                detail = err.read().decode(errors="replace")[:2000]
-                transient = err.code == 503 or (err.code == 500 and "Database error" in detail)
-                if not (transient and retryable and attempt < DB_RETRIES):
-                    raise AirflowError(
-                        f"{method} {path}: HTTP {err.code}: {detail}", status=err.code
-                    ) from None
-            time.sleep(min(8.0, 0.5 * 2**attempt))
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def api(self, method: str, path: str, body: Any = None) -> Any:
-        """A call to the REST API v2 (`path` below /api/v2)."""
-        return self._request(method, "/api/v2" + path, body)
-
-    def wait_for_dag(self, dag_id: str, timeout: float = 180.0) -> dict[str, Any]:
-        """Until the DAG processor has parsed `dag_id`; unpause it; fail on import errors."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                dag = self.api("GET", f"/dags/{dag_id}")
-                if dag.get("is_paused"):
-                    dag = self.api("PATCH", f"/dags/{dag_id}", {"is_paused": False})
-                return dag
-            except AirflowError as err:
-                if "HTTP 404" not in str(err):
-                    raise
-            errors = self.api("GET", "/importErrors").get("import_errors", [])
-            if errors:
-                raise AirflowError(
-                    "DAG import errors:\n" + "\n".join(e.get("stack_trace", "") for e in errors)
-                )
-            time.sleep(2.0)
-        raise AirflowError(f"DAG {dag_id} not parsed after {timeout:.0f}s")
-
-    def trigger(self, dag_id: str, conf: Mapping[str, Any], dag_run_id: str | None = None) -> str:
-        """Trigger a run with `conf` (validated against the DAG's Params); its run id.
-
-        The run id is chosen here when not given, so a retry after a database error whose
-        first attempt did commit finds the run (HTTP 409) instead of starting a second one."""
-        explicit = dag_run_id is not None
-        run_id = (
-            dag_run_id or f"manual__rlax_{time.strftime('%Y%m%dT%H%M%S')}_{secrets.token_hex(3)}"
-        )
-        body: dict[str, Any] = {"logical_date": None, "conf": dict(conf), "dag_run_id": run_id}
-        try:
-            return self._request(
-                "POST", f"/api/v2/dags/{dag_id}/dagRuns", body, retry_writes=not explicit
-            )["dag_run_id"]
-        except AirflowError as err:
-            if explicit or err.status != 409:
-                raise
-            existing = self.dag_run(dag_id, run_id)  # our own earlier attempt committed
-            if existing.get("conf") != dict(conf):
-                raise
-            return run_id
-
-    def dag_run(self, dag_id: str, run_id: str) -> dict[str, Any]:
-        return self.api("GET", f"/dags/{dag_id}/dagRuns/{_q(run_id)}")
-
-    def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
-        answer = self.api("GET", f"/dags/{dag_id}/dagRuns/{_q(run_id)}/taskInstances?limit=100")
-        return answer["task_instances"]
-
-    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int, map_index=-1):
-        """The text of one try's task log: its structured events, one a line."""
-        path = (
-            f"/dags/{dag_id}/dagRuns/{_q(run_id)}/taskInstances/{task_id}/logs/"
-            f"{try_number}?full_content=true&map_index={map_index}"
-        )
-        lines = []
-        for item in self.api("GET", path).get("content") or []:
-            if not isinstance(item, dict):
-                lines.append(str(item))
-                continue
-            lines.append(str(item.get("event", "")))
-            for err in item.get("error_detail") or ():  # a task's exception, structured
-                if isinstance(err, dict):
-                    lines.append(f"{err.get('exc_type')}: {err.get('exc_value')}")
-        return "\n".join(lines)
-
-    def wait_for_run(
-        self,
-        dag_id: str,
-        run_id: str,
-        timeout: float,
-        on_poll: Callable[[dict[str, Any], list[dict[str, Any]]], None] | None = None,
-        poll_s: float = 2.0,
-    ) -> str:
-        """Poll until the run is success/failed (or timeout); its final state."""
-        deadline = time.monotonic() + timeout
-        while True:
-            run = self.dag_run(dag_id, run_id)
-            if on_poll is not None:
-                on_poll(run, self.task_instances(dag_id, run_id))
-            if run["state"] in TERMINAL_RUN_STATES:
-                return run["state"]
-            if time.monotonic() > deadline:
-                raise AirflowError(
-                    f"run {run_id} of {dag_id} still {run['state']} after {timeout:.0f}s"
-                )
-            if self.proc is not None and self.proc.poll() is not None:
-                raise AirflowError(f"airflow standalone died; log tail:\n{self.log_tail()}")
-            time.sleep(poll_s)
-
-
-def _q(text: str) -> str:
-    return urllib.parse.quote(text, safe="")
+    def check_alive(self) -> None:
+        """A run is not waited for after `airflow standalone` died."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AirflowError(f"airflow standalone died; log tail:\n{self.log_tail()}")
 
 
 # ------------------------------------------------------------------ progress
+
+
+def plain(answer: Any) -> dict[str, Any]:
+    """A client answer (a model) as the REST API's JSON: states as strings, dates as ISO
+    text. Dicts pass through."""
+    return answer if isinstance(answer, dict) else json.loads(answer.to_json())
 
 
 def task_label(ti: Mapping[str, Any]) -> str:
@@ -406,7 +255,8 @@ class ProgressPrinter:
     def _print(self, text: str) -> None:
         print(f"  [{time.monotonic() - self.t0:5.0f}s] {text}", file=self.out, flush=True)
 
-    def __call__(self, run: Mapping[str, Any], tis: list[dict[str, Any]]) -> None:
+    def __call__(self, run: Any, tis: list[Any]) -> None:
+        tis = [plain(ti) for ti in tis]
         for ti in sorted(tis, key=lambda t: (t.get("start_date") or "~", task_label(t))):
             key = f"{ti['task_id']}/{ti.get('map_index', -1)}"
             state = (ti.get("state"), int(ti.get("try_number") or 0))
@@ -500,7 +350,7 @@ def run_dag(
             ProgressPrinter(run_url=run_url, steps=steps, sft_steps=sft_steps),
         )
         if state != "success":
-            for ti in af.task_instances(dag_id, run_id):
+            for ti in map(plain, af.task_instances(dag_id, run_id)):
                 if ti.get("state") == "failed":
                     log = af.task_log(dag_id, run_id, ti["task_id"], ti["try_number"])
                     print(f"--- {task_label(ti)} (try {ti['try_number']}) log tail ---")

@@ -193,8 +193,10 @@ def stop_group(
     """Stop process group `pgid`: signal it with `first` (PostgreSQL's fast shutdown is
     SIGINT), then SIGTERM (the trainer checkpoints on it) and wait up to `grace_s` for all
     of it to be gone, then SIGKILL. `reap`: the group leader when it is our `Popen` child,
-    reaped while waiting (its exit status stays with it); a leader that is some other child
-    of ours is reaped at the end. Zombies do not count as running."""
+    reaped while waiting (its exit status stays with it), and the call returns once every
+    process of the group is gone and reaped; without `reap` zombies do not count as running
+    (the leader may be an unreaped child of ours: it is reaped at the end)."""
+    alive = group_running if reap is None else group_alive
     plan = [(signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)]
     if first != signal.SIGTERM:
         plan.insert(0, (first, 0.0))
@@ -204,13 +206,13 @@ def stop_group(
         except ProcessLookupError:
             break
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and group_running(pgid):
+        while time.monotonic() < deadline and alive(pgid):
             if reap is None or reap.poll() is not None:
                 time.sleep(0.2)
             else:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     reap.wait(0.2)
-        if not group_running(pgid):
+        if not alive(pgid):
             break
     if reap is not None:
         reap.poll()

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.ops.airflow_local import RL_DAG_ID, AirflowError, LocalAirflow
+from pipeline.ops.airflow_local import RL_DAG_ID, AirflowError, LocalAirflow, plain
 from pipeline.run import CHECKPOINT_MANIFESTS
 
 STEPS_PREEMPT = 16
@@ -88,7 +88,7 @@ def _kill_trainer_mid_run(
             return ckpts[-1], int(steps[-1].stem) if steps else 0
         if time.monotonic() >= next_state_check:
             next_state_check = time.monotonic() + 5.0
-            state = af.dag_run(RL_DAG_ID, dag_run)["state"]
+            state = plain(af.dag_run(RL_DAG_ID, dag_run))["state"]
             assert state not in ("success", "failed"), (
                 f"run {dag_run} ended ({state}) before its trainer could be killed:\n"
                 + _explain(af, dag_run)
@@ -102,7 +102,7 @@ def _kill_trainer_mid_run(
 
 def _explain(af: LocalAirflow, run_id: str) -> str:
     lines = []
-    for ti in af.task_instances(RL_DAG_ID, run_id):
+    for ti in map(plain, af.task_instances(RL_DAG_ID, run_id)):
         lines.append(f"{ti['task_id']}[{ti['map_index']}] {ti['state']} try {ti['try_number']}")
         if ti["state"] not in ("success", None) and ti["try_number"]:
             log = af.task_log(RL_DAG_ID, run_id, ti["task_id"], ti["try_number"], ti["map_index"])
@@ -153,7 +153,10 @@ def test_rl_training_via_rest_end_to_end_and_trainer_preemption(airflow, tmp_pat
     print(f"kill at {t_kill:.0f}s, e2e done at {t_e2e:.0f}s, all at {time.monotonic() - t0:.0f}s")
 
     # ---- e2e: each stage once, the data flow of the run directory complete.
-    tis = {(t["task_id"], t["map_index"]): t for t in airflow.task_instances(RL_DAG_ID, e2e)}
+    tis = {
+        (t["task_id"], t["map_index"]): t
+        for t in map(plain, airflow.task_instances(RL_DAG_ID, e2e))
+    }
     run = root / "e2e"
     cfg = json.loads((run / "config.json").read_text())
     workers = cfg["workers"]
@@ -180,7 +183,9 @@ def test_rl_training_via_rest_end_to_end_and_trainer_preemption(airflow, tmp_pat
 
     # ---- preemption: the train task failed once (SIGKILL), its retry resumed.
     run = root / "preempt"
-    train = next(t for t in airflow.task_instances(RL_DAG_ID, preempt) if t["task_id"] == "train")
+    train = next(
+        t for t in map(plain, airflow.task_instances(RL_DAG_ID, preempt)) if t["task_id"] == "train"
+    )
     assert train["try_number"] >= 2
     first = airflow.task_log(RL_DAG_ID, preempt, "train", 1)
     assert "killed by SIGKILL" in first

@@ -70,6 +70,18 @@ def test_progress_prints_state_changes_once(capsys):
     assert task_label({"task_id": "t", "map_index": 3}) == "t[3]"
 
 
+class JSONHandler(QuietHandler):
+    """Answers like Airflow's API server: JSON bodies."""
+
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 class _LockedDatabaseAPI:
     """An HTTP server on 127.0.0.1 answering like Airflow's API server when its SQLite
     database stays locked: the first trigger commits the run and still answers HTTP 500
@@ -84,15 +96,7 @@ class _LockedDatabaseAPI:
         self.gets = 0
         api = self
 
-        class Handler(QuietHandler):
-            def _send(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JSONHandler):
             def do_POST(self):  # noqa: N802 - http.server's naming
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path == "/auth/token":
@@ -101,7 +105,11 @@ class _LockedDatabaseAPI:
                 run_id = body["dag_run_id"]
                 if run_id in api.runs:
                     return self._send(409, {"detail": "DAG run exists"})
-                api.runs[run_id] = {"dag_run_id": run_id, "conf": body["conf"]}
+                api.runs[run_id] = {
+                    "dag_run_id": run_id, "conf": body["conf"], "dag_id": "rlax_rl_training",
+                    "dag_display_name": "rlax_rl_training", "dag_versions": [],
+                    "run_after": "2026-01-01T00:00:00Z", "run_type": "manual", "state": "queued",
+                }  # fmt: skip
                 return self._send(500, {"detail": {"reason": "Database error"}})
 
             def do_GET(self):  # noqa: N802
@@ -130,7 +138,71 @@ def test_trigger_survives_a_locked_database_without_a_second_run(tmp_path):
         # A caller-chosen run id is not retried: a 409 may be someone else's run.
         api.gets = 1
         with pytest.raises(AirflowError, match="Database error") as err:
-            af.trigger("rlax_rl_training", {"run_id": "r2"}, dag_run_id="mine")
+            af.trigger("rlax_rl_training", {"run_id": "r2"}, run_id="mine")
         assert err.value.status == 500 and api.posts == 3
     finally:
         api.server.shutdown()
+
+
+def test_task_log_keeps_the_exception_a_try_died_of(tmp_path):
+    """The client reads a try's log as the API's JSON: the structured `error_detail` (where
+    `trainer was killed by SIGKILL` is) comes with the events, and a 404 is AirflowError."""
+    import http.server
+    import threading
+
+    from pipeline.ops.airflow_local import LocalAirflow
+    from pipeline.ops.airflow_rest import AirflowError
+
+    seen: list[str] = []
+    log = {
+        "content": [
+            {"event": "[trainer] step 2"},
+            {
+                "event": "Task failed with exception",
+                "error_detail": [{"exc_type": "JobFailed", "exc_value": "killed by SIGKILL"}],
+            },
+        ]
+    }
+
+    class Handler(JSONHandler):
+        def do_POST(self):  # noqa: N802 - http.server's naming
+            self._send(201, {"access_token": "t"})
+
+        def do_GET(self):  # noqa: N802
+            seen.append(self.path)
+            self._send(200, log) if "/logs/1?" in self.path else self._send(404, {"detail": "x"})
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        af = LocalAirflow(home=tmp_path, port=server.server_address[1])
+        text = af.task_log("rlax_rl_training", "manual__a+b", "train", 1)
+        assert text.splitlines() == [
+            "[trainer] step 2",
+            "Task failed with exception",
+            "JobFailed: killed by SIGKILL",
+        ]
+        assert seen[0] == (
+            "/api/v2/dags/rlax_rl_training/dagRuns/manual__a%2Bb/taskInstances/train/logs/1"
+            "?full_content=true&map_index=-1"
+        )
+        with pytest.raises(AirflowError, match="HTTP 404") as err:
+            af.task_log("rlax_rl_training", "manual__a+b", "train", 2)
+        assert err.value.status == 404
+    finally:
+        server.shutdown()
+
+
+def test_waiting_on_a_local_airflow_that_died_fails_at_once(tmp_path):
+    import subprocess
+    import sys
+
+    from pipeline.ops.airflow_local import LocalAirflow
+    from pipeline.ops.airflow_rest import AirflowError
+
+    af = LocalAirflow(home=tmp_path)
+    af.check_alive()  # never started: nothing to watch
+    af.proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    af.proc.wait()
+    with pytest.raises(AirflowError, match="airflow standalone died"):
+        af.check_alive()

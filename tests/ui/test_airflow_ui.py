@@ -33,7 +33,7 @@ from urllib.parse import quote, urlencode
 import pytest
 
 from dags.params import run_url_for
-from pipeline.ops.airflow_local import RL_DAG_ID, LocalAirflow
+from pipeline.ops.airflow_local import RL_DAG_ID, LocalAirflow, plain
 from tests.local_servers import free_port
 
 pytestmark = pytest.mark.ui
@@ -222,9 +222,9 @@ def test_first_time_user_triggers_the_tiny_run_and_reads_its_report(airflow_ui, 
     user.signed_in = True
 
     # ---- a fresh Airflow started nothing: rlax_retraining (weekly) waits, paused
-    dags = {dag["dag_id"]: dag for dag in api.api("GET", "/dags?tags=rlax")["dags"]}
+    dags = {dag["dag_id"]: dag for dag in api.get("/dags?tags=rlax")["dags"]}
     assert dags["rlax_retraining"]["is_paused"] and not dags[RL_DAG_ID]["is_paused"]
-    assert api.api("GET", "/dags/~/dagRuns")["total_entries"] == 0
+    assert api.get("/dags/~/dagRuns")["total_entries"] == 0
 
     # ---- Dags -> rlax_rl_training -> Trigger (the DAG list may need the DAG processor)
     user.click(By.CSS_SELECTOR, "a[href$='/dags']")
@@ -274,7 +274,9 @@ def _follow_the_run(user: User, api: LocalAirflow, run_id: str) -> None:
     # ---- the run, followed as a user would: its grid, until it succeeds
     state = api.wait_for_run(RL_DAG_ID, run_id, timeout=330, poll_s=3)
     failed = [
-        t["task_id"] for t in api.task_instances(RL_DAG_ID, run_id) if t["state"] != "success"
+        t["task_id"]
+        for t in map(plain, api.task_instances(RL_DAG_ID, run_id))
+        if t["state"] != "success"
     ]
     assert state == "success", f"run {run_id} {state}; not successful: {failed}"
     d.get(f"{user.base_url}/dags/{RL_DAG_ID}/runs/{quote(run_id, safe='')}")
@@ -306,7 +308,7 @@ def _follow_the_run(user: User, api: LocalAirflow, run_id: str) -> None:
     log = api.task_log(RL_DAG_ID, run_id, "report", 1)
     assert re.search(r"v0 +\| .*\n.*v\d+ +\|", log) and "points" in log, log[-3000:]
     query = urlencode({"source_dag_id": RL_DAG_ID, "source_run_id": run_id})
-    events = api.api("GET", f"/assets/events?{query}")
+    events = api.get(f"/assets/events?{query}")
     kinds = {e["uri"].rsplit("/", 1)[-1]: e["extra"] for e in events["asset_events"]}
     assert set(kinds) == {"weights", "eval", "report"}, kinds
     run_url = run_url_for({}, run_id)  # the defaults: storage root runs/, run id empty
@@ -328,7 +330,7 @@ def _form_trigger_button(user: User):
 def _wait_for_new_run(api: LocalAirflow, timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        runs = api.api("GET", f"/dags/{RL_DAG_ID}/dagRuns")["dag_runs"]
+        runs = api.get(f"/dags/{RL_DAG_ID}/dagRuns")["dag_runs"]
         if runs:
             assert len(runs) == 1, runs
             assert runs[0]["conf"].get("config_file") == TINY, runs[0]["conf"]
