@@ -3,7 +3,8 @@ finite-difference gradients through the tiny model, staleness and empty-batch dr
 DAPO's dynamic sampling on the rollout side.
 
 Compiled work is shared: the model's forward/backward programs are cached per model and
-shape (`trainer.model_programs`), so each extra algorithm compiles only its loss head.
+shape (`tpu_jobs.learning.step.model_programs`), so each extra algorithm compiles only its
+loss head.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pipeline.tasks import get_task
 from tests.runs import clone_run
 from tpu_jobs import rollout_worker as rw
 from tpu_jobs.learning import losses as L
+from tpu_jobs.learning.step import Learner
 from tpu_jobs.learning.value_head import hidden_states, init_value_head, lm_logits, policy_forward
 from tpu_jobs.model.state import split_model
 from tpu_jobs.model.transformer import (
@@ -36,7 +38,7 @@ from tpu_jobs.model.transformer import (
     positions_from_mask,
     sequence_logprobs,
 )
-from tpu_jobs.trainer import Learner, Trainer
+from tpu_jobs.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
