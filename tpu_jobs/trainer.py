@@ -91,6 +91,7 @@ def publish_policy(cfg: RunConfig) -> PublishPolicy:
         publish_every=tc.publish_every,
         keep_versions=tc.keep_versions,
         max_staleness=tc.max_staleness,
+        # A lease on a machine whose clock runs behind is still honoured (pipeline.retention).
         clock_skew_s=min(30.0, cfg.rollout.lease_seconds),
     )
 

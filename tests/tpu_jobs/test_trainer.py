@@ -782,3 +782,32 @@ def test_packed_steps_equal_unpacked_steps(alg, fused, micro_batch, grpo_run, tr
             assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=1e-6), key
     for a, b in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_the_publishing_policy_is_the_run_configs():
+    """What the trainer hands its Publisher (tests/pipeline/test_publishing.py drives it)."""
+    from pipeline.paramserver.publishing import PublishPolicy
+    from tests.runs import tiny_config
+    from tpu_jobs.trainer import publish_policy
+
+    cfg = tiny_config(
+        "paramserver.dtype=sampler",
+        "sampler.dtype=bfloat16",
+        "paramserver.full_every=3",
+        "paramserver.tensor_parts=2",
+        "trainer.publish_every=2",
+        "trainer.keep_versions=4",
+        "trainer.max_staleness=1",
+        "rollout.lease_seconds=12",
+    )
+    want = PublishPolicy(
+        dtype="bfloat16",
+        parts=2,
+        full_every=3,
+        publish_every=2,
+        keep_versions=4,
+        max_staleness=1,
+        clock_skew_s=12.0,  # a lease's length, at most 30 s
+    )
+    assert publish_policy(cfg) == want
+    assert publish_policy(tiny_config("rollout.lease_seconds=120")).clock_skew_s == 30.0
