@@ -114,7 +114,7 @@ class ModelConfig:
     # Text <-> ids for every role: "char" (pipeline.tokenizer.CharTokenizer: the synthetic
     # families' alphabet), "byte" (ByteTokenizer: any text, vocab_size >= 260; a run from
     # scratch on real data) or "hf" (the tokenizer.json imported with the run's base,
-    # `rlax import-hf`; chat template applied to prompts when it has one). `tpu_jobs.hf_tokenizer.run_tokenizer(run)` returns it.
+    # `rlax import-hf`; chat template applied to prompts when it has one). `pipeline.tokenizer.run.run_tokenizer(run)` returns it.
     tokenizer: str = "char"
 
     def __post_init__(self) -> None:
