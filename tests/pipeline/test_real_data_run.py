@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dags.params import config_from_params
-from pipeline.data_job import BAD_INPUT
+from pipeline.entrypoint import BAD_INPUT
 from pipeline.layout import CURATED_PREFIX
 from pipeline.ops import launcher
 from pipeline.rollouts import from_parquet_bytes
