@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import algorithms, config_io
-from pipeline.config_io import (  # noqa: F401 - re-exported: the config's entry points
+from pipeline.config_io import (  # noqa: F401 - re-exported for their many callers
     MIGRATIONS,
-    MOVED_KEYS,
     coerce,
     from_dict,
     legacy_digest,
@@ -37,11 +36,11 @@ from pipeline.environments.config import EnvironmentConfig
 from pipeline.errors import ConfigError
 from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
-from pipeline.mesh import MESH_AXES, MeshConfig, tensor_size  # noqa: F401 - MESH_AXES re-exported
+from pipeline.mesh import MeshConfig, tensor_size
 from pipeline.paramserver.config import ParamServerConfig
 from pipeline.sandbox.config import SandboxConfig
 from pipeline.storage.config import StorageConfig
-from pipeline.tasks.config import MAX_PROBLEMS, TaskConfig  # noqa: F401 - MAX_PROBLEMS re-exported
+from pipeline.tasks.config import TaskConfig
 from pipeline.tokenizer import TOKENIZERS
 from pipeline.tracking import TrackingConfig
 
