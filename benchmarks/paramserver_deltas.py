@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         }
         if not args.no_gcs:
-            from benchmarks.paramserver import gcs_client, start_emulator
+            from benchmarks.emulated_gcs import gcs_client, start_emulator
 
             emulator, url = start_emulator(root)
             client = gcs_client(url)

@@ -52,7 +52,7 @@ from pipeline.rollouts import RolloutBatch, required_version
 from pipeline.run import CHECKPOINTS_PREFIX, DONE_KEY, Run, RunError, base_server, weights_server
 from pipeline.storage import ObjectNotFound
 from pipeline.tasks.base import REWARD_RANGE
-from tpu_jobs.hf_tokenizer import run_tokenizer
+from pipeline.tokenizer.run import run_tokenizer
 from tpu_jobs.learning import checkpoints
 from tpu_jobs.learning.step import Learner
 from tpu_jobs.model import mesh as meshlib

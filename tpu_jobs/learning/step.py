@@ -339,7 +339,7 @@ class Learner:
     `mesh` (tpu_jobs.model.mesh): the train state is placed by `mesh.PARAM_RULES` (`init_state`,
     `place`) and each step's batch split over data x fsdp, so every micro-batch (the whole
     batch by default) must hold a multiple of data * fsdp rows. The programs are the same
-    (GSPMD propagates the shardings). `tokenizer`: the run's (`tpu_jobs.hf_tokenizer.run_tokenizer`),
+    (GSPMD propagates the shardings). `tokenizer`: the run's (`pipeline.tokenizer.run.run_tokenizer`),
     needed only for judge rows of a model.tokenizer=hf run; default the char tokenizer.
     `abstract`: `template` holds shapes (`jax.ShapeDtypeStruct`s) instead of initialised
     weights, to compile the step for a model too large to allocate here.
@@ -365,7 +365,7 @@ class Learner:
             if tokenizer is None and cfg.model.tokenizer != "char":
                 raise ValueError(
                     f"model.tokenizer={cfg.model.tokenizer!r} with judge groups: pass the run's "
-                    "tokenizer, Learner(..., tokenizer=tpu_jobs.hf_tokenizer.run_tokenizer(run))"
+                    "tokenizer, Learner(..., tokenizer=pipeline.tokenizer.run.run_tokenizer(run))"
                 )
             self.completion_len = judged_completion_len(
                 cfg.sampler.max_new_tokens, tokenizer or get_tokenizer("char")
