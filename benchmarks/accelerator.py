@@ -38,8 +38,8 @@ import numpy as np  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from tpu_jobs.generate.static import Sampler  # noqa: E402
 from tpu_jobs.learning.memory import QWEN25, qwen25_overrides  # noqa: E402
+from tpu_jobs.learning.step import Learner, StepInputs  # noqa: E402
 from tpu_jobs.model.transformer import init_model, param_count  # noqa: E402
-from tpu_jobs.trainer import Learner, StepInputs  # noqa: E402
 
 # Dense bf16 peak FLOP/s per chip, from the vendors' data sheets, by jax device_kind.
 PEAK_BF16 = {

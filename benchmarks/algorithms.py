@@ -34,13 +34,14 @@ import numpy as np
 from pipeline.config import ALGORITHMS, RunConfig, TrainerConfig, load_config
 from pipeline.problem_sets import write_data
 from pipeline.run import Run, base_server
+from pipeline.tokenizer.run import run_tokenizer
 from tpu_jobs.evaluator import Evaluator
 from tpu_jobs.generate.static import Sampler
-from tpu_jobs.hf_tokenizer import run_tokenizer
+from tpu_jobs.learning.step import Learner
 from tpu_jobs.model.transformer import load_flat_params, param_count
 from tpu_jobs.rollout_worker import RolloutWorker
 from tpu_jobs.sft import train_sft
-from tpu_jobs.trainer import Learner, Trainer
+from tpu_jobs.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -38,8 +38,8 @@ import numpy as np  # noqa: E402
 
 from pipeline.config import load_config  # noqa: E402
 from tpu_jobs.learning.packing import pack  # noqa: E402
+from tpu_jobs.learning.step import Learner, StepInputs  # noqa: E402
 from tpu_jobs.model.batching import pack_rows  # noqa: E402
-from tpu_jobs.trainer import Learner, StepInputs  # noqa: E402
 
 PROMPT = 32
 VARIANTS: dict[str, list[str]] = {

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipeline.config import load_config
+from tpu_jobs.learning.step import Learner, StepInputs
 from tpu_jobs.model.transformer import param_count
-from tpu_jobs.trainer import Learner, StepInputs
 
 RESULTS = Path(__file__).parent / "results"
 

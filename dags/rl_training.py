@@ -54,7 +54,7 @@ def rlax_rl_training():
         from airflow.sdk.exceptions import AirflowFailException
 
         from pipeline.config import ConfigError
-        from pipeline.data_job import BAD_INPUT
+        from pipeline.entrypoint import BAD_INPUT
         from pipeline.ops.launcher import JobFailed
         from pipeline.run import CURATED_PREFIX, Run, RunError
 

@@ -1,7 +1,15 @@
 """Run configuration: one frozen dataclass per component, composed into `RunConfig`.
 
+The central sections (model, SFT, sampler, trainer, rollout, eval) are defined here; the
+light ones live with the code that reads them and validate their own registry names
+there: `pipeline.environments.config` (EnvironmentConfig), `pipeline.sandbox.config`
+(SandboxConfig), `pipeline.paramserver.config` (ParamServerConfig),
+`pipeline.storage.config` (StorageConfig), `pipeline.tasks.config` (TaskConfig),
+`pipeline.tracking` (TrackingConfig), `pipeline.mesh` (MeshConfig).
+
 Loaded from YAML (`load_config("configs/demo.yaml", ["trainer.lr=3e-4"])`), overridable
-from the command line and from Airflow Params with dotted keys. Every field is
+from the command line and from Airflow Params with dotted keys; loading, overrides, the
+migrations of older shapes and the digest are `pipeline.config_io`'s. Every field is
 validated on construction; a bad value raises `ConfigError` naming the field and what
 is allowed.
 """
@@ -9,29 +17,31 @@ is allowed.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import math
-import os
-import re
-import types
-import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from pipeline import algorithms, environments, sandbox
+from pipeline import algorithms, config_io
+from pipeline.config_io import (  # noqa: F401 - re-exported for their many callers
+    MIGRATIONS,
+    coerce,
+    from_dict,
+    legacy_digest,
+    optional_types,
+    override_section,
+    parse_overrides,
+)
+from pipeline.environments.config import EnvironmentConfig
 from pipeline.errors import ConfigError
 from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
-from pipeline.sandbox.api import URL_ALLOWED, check_url
-from pipeline.tasks import TASKS
-from pipeline.tasks.base import SyntheticTask
+from pipeline.mesh import MeshConfig, tensor_size
+from pipeline.paramserver.config import ParamServerConfig
+from pipeline.sandbox.config import SandboxConfig
+from pipeline.storage.config import StorageConfig
+from pipeline.tasks.config import TaskConfig
 from pipeline.tokenizer import TOKENIZERS
-from pipeline.tool_calls import TRUNCATED
 from pipeline.tracking import TrackingConfig
 
 TOKENIZER_NAMES = (*TOKENIZERS, "hf")  # the built-in ones, or the imported one
@@ -50,9 +60,8 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 # largest open models of the family (Llama 3.1 405B: hidden 16384, 126 layers, 128 heads,
 # intermediate 53248; vocabularies to 256k, contexts to 128k): a value above one is a typo
 # (1e8 for 1e3) that would otherwise surface as an out-of-memory traceback in the first job
-# that builds the model. Synthetic problem sets are generated at a few thousand problems a
-# second on one core, so a million takes minutes: larger sets come from curation
-# (beam_jobs). Worker processes: what one run fans out to.
+# that builds the model. Worker processes: what one run fans out to. (The problem sets'
+# ceiling is the task section's: pipeline.tasks.config.MAX_PROBLEMS.)
 MODEL_CEILINGS: dict[str, int] = {
     "vocab_size": 1 << 20,
     "hidden_size": 32768,
@@ -63,7 +72,6 @@ MODEL_CEILINGS: dict[str, int] = {
     "intermediate_size": 131072,
     "max_seq_len": 1 << 20,
 }
-MAX_PROBLEMS = 1_000_000  # task.num_train, task.num_eval
 MAX_WORKERS = 1024  # workers
 
 
@@ -114,7 +122,7 @@ class ModelConfig:
     # Text <-> ids for every role: "char" (pipeline.tokenizer.CharTokenizer: the synthetic
     # families' alphabet), "byte" (ByteTokenizer: any text, vocab_size >= 260; a run from
     # scratch on real data) or "hf" (the tokenizer.json imported with the run's base,
-    # `rlax import-hf`; chat template applied to prompts when it has one). `tpu_jobs.hf_tokenizer.run_tokenizer(run)` returns it.
+    # `rlax import-hf`; chat template applied to prompts when it has one). `pipeline.tokenizer.run.run_tokenizer(run)` returns it.
     tokenizer: str = "char"
 
     def __post_init__(self) -> None:
@@ -169,64 +177,6 @@ class ModelConfig:
             self.logits_chunk,
             ">= 0 tokens (0: dense, all at once)",
         )
-
-
-@dataclass(frozen=True)
-class _TaskMix:
-    """Which verifiable task families make up the problem mix (the fields every run has);
-    `TaskConfig` adds one section per synthetic family, below."""
-
-    families: tuple[str, ...] = ("arithmetic", "countdown")
-    weights: tuple[float, ...] = (0.75, 0.25)
-    seed: int = 0
-    num_train: int = 20000
-    num_eval: int = 500
-
-    def __post_init__(self) -> None:
-        _check(len(self.families) > 0, "task.families", self.families, "a non-empty list")
-        for fam in self.families:
-            _one_of("task.families", fam, TASKS)
-        _check(
-            len(self.weights) == len(self.families) and all(w > 0 for w in self.weights),
-            "task.weights",
-            self.weights,
-            f"{len(self.families)} positive numbers, one per family",
-        )
-        _check(self.seed >= 0, "task.seed", self.seed, ">= 0")
-        for name in ("num_train", "num_eval"):
-            value = getattr(self, name)
-            _check(
-                0 < value <= MAX_PROBLEMS,
-                f"task.{name}",
-                value,
-                f"1..{MAX_PROBLEMS} (generated at a few thousand a second; larger sets "
-                "come from curation)",
-            )
-
-    def options_for(self, family: str) -> Any:
-        """The `task.<family>` options of a synthetic family (its `Options` dataclass)."""
-        return getattr(self, family)
-
-
-def _task_config_class() -> type:
-    """TaskConfig: the mix's fields plus a section `task.<name>` of the family's own
-    `Options` type for every registered synthetic family, so a family declares its options
-    in one place (its module) and registering it is all the config needs."""
-    sections = [
-        (name, task.Options, field(default_factory=task.Options))
-        for name, task in sorted(TASKS.items())
-        if isinstance(task, SyntheticTask)
-    ]
-    cls = dataclasses.make_dataclass("TaskConfig", sections, bases=(_TaskMix,), frozen=True)
-    cls.__module__ = __name__  # pickles (Beam, multiprocessing) find it here
-    cls.__doc__ = (
-        "Which verifiable task families make up the problem mix, and each synthetic "
-        f"family's options: task.{{{', '.join(name for name, _, _ in sections)}}}."
-    )
-    return cls
-
-
-TaskConfig = _task_config_class()
 
 
 @dataclass(frozen=True)
@@ -335,17 +285,6 @@ class SamplerConfig:
         _one_of("sampler.dtype", self.dtype, ("float32", "bfloat16"))
 
 
-def _optional_types(cls: type) -> dict[str, Any]:
-    """{field: T} for the fields annotated `T | None` (their None is a sentinel)."""
-    out = {}
-    for name, tp in typing.get_type_hints(cls).items():
-        if typing.get_origin(tp) in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(tp) if a is not type(None)]
-            if len(args) == 1:
-                out[name] = args[0]
-    return out
-
-
 # The algorithm presets (pipeline.algorithms declares them, and every loss name).
 ALGORITHMS = tuple(algorithms.PRESETS)
 OLD_LOGPROBS = ("recompute", "behaviour")
@@ -362,7 +301,7 @@ def _loss_overrides(overrides: Any, prefix: str) -> dict[str, Any]:
             continue
         if name not in algorithms.PARAM_TYPES:
             algorithms.check_param(name, value, prefix)  # raises: unknown, lists the allowed
-        value = _coerce(value, algorithms.PARAM_TYPES[name], prefix + name)
+        value = coerce(value, algorithms.PARAM_TYPES[name], prefix + name)
         algorithms.check_param(name, value, prefix)
         out[name] = value
     return algorithms.expand(out)
@@ -472,10 +411,10 @@ class TrainerConfig:
             self.max_consecutive_failures,
             ">= 1",
         )
-        for name, kind in _optional_types(type(self)).items():
+        for name, kind in optional_types(type(self)).items():
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, _coerce(value, kind, f"trainer.{name}"))
+                object.__setattr__(self, name, coerce(value, kind, f"trainer.{name}"))
         _check(
             self.overlong_buffer is None or self.overlong_buffer >= 0,
             "trainer.overlong_buffer",
@@ -534,17 +473,6 @@ class TrainerConfig:
             return min(self.overlong_buffer, max_new_tokens)
         frac = algorithms.ROLLOUT_PRESETS.get(self.algorithm, {}).get("overlong_buffer_frac", 0.0)
         return int(round(frac * max_new_tokens))
-
-
-# Rewrites of a section's mapping from older or shorthand shapes into today's, by section
-# class; `from_dict` applies them, so a run's config.json written by an earlier version
-# keeps loading (and resuming: see RunConfig.digest).
-MIGRATIONS: dict[type, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
-    TrainerConfig: _fold_loss_keys,
-    # A TaskConfig built alone from an old-shaped mapping (RunConfig's entry moves the
-    # SFT keys too).
-    TaskConfig: lambda data: _move_keys({"task": data}).get("task", {}),
-}
 
 
 @dataclass(frozen=True)
@@ -658,208 +586,6 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
-class StorageConfig:
-    """Where runs live: a local directory or gs://bucket/prefix."""
-
-    root: str = "runs"
-
-    def __post_init__(self) -> None:
-        _check(bool(self.root), "storage.root", self.root, "a local path or gs://bucket/prefix")
-
-
-@dataclass(frozen=True)
-class SandboxConfig:
-    """Where this run's verifiers execute programs (`pipeline.sandbox`, docs/sandbox.md).
-
-    url: "" runs them in a pool of bubblewrap sandboxes inside each rollout worker and
-        evaluator process; "http://host:port" (or https) sends them to a sandbox service
-        (`rlax sandbox serve`, or replicas behind a load balancer). Empty also leaves
-        RLAX_SANDBOX_URL of the process's environment in force.
-    token_env: the environment variable holding the service's shared token; the token
-        itself never enters the config (config.json is stored with the run).
-    concurrency: requests one `execute_many` keeps in flight to the service (0: the
-        service's own concurrency + queue, as its /health reports).
-    """
-
-    url: str = ""
-    token_env: str = "RLAX_SANDBOX_TOKEN"
-    concurrency: int = 0
-
-    def __post_init__(self) -> None:
-        _check(isinstance(self.url, str), "sandbox.url", self.url, URL_ALLOWED)
-        if self.url:
-            check_url("sandbox.url", self.url)
-        _check(
-            bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.token_env)),
-            "sandbox.token_env",
-            self.token_env,
-            "an environment variable name (letters, digits, _; not starting with a digit)",
-        )
-        _check(self.concurrency >= 0, "sandbox.concurrency", self.concurrency, ">= 0 (0: default)")
-
-    def apply(self) -> None:
-        """Point this process's `pipeline.sandbox` at the service of `url`, with the token
-        from `$token_env` (unset: none sent). With no url, nothing changes: the local pool,
-        or RLAX_SANDBOX_URL when the environment sets it."""
-        if self.url:
-            sandbox.configure(self.url, os.environ.get(self.token_env), self.concurrency or None)
-
-
-@dataclass(frozen=True)
-class EnvironmentConfig:
-    """Multi-turn episodes with a tool (`pipeline.environments`, `tpu_jobs.generate.episodes`).
-
-    name: the environment (`pipeline.environments.ENVIRONMENTS`): "none" (the default)
-        samples one turn per completion as before; "python" lets a turn call the Python
-        tool (`pipeline.tool_calls`), whose output is appended and generation resumes.
-    max_turns: generated turns per episode at most (the last one gets no observation).
-    max_episode_tokens: the completion's budget: every turn's sampled tokens and every
-        observation's tokens together; a turn samples at most min(sampler.max_new_tokens,
-        what is left), and an observation that would leave no room ends the episode. The
-        trainer's completion slots are this long when an environment is set.
-    observation_chars: an observation's text is cut to this many characters.
-    timeout_s, memory_mb: the sandbox limits of one tool call.
-    failed_call_penalty: reward shaping: subtracted from the verifier's reward once per
-        failed tool call (an error, timeout, memory or output-limit status, or a malformed
-        call); 0 (the default) leaves the verifier's reward alone.
-    """
-
-    name: str = "none"
-    max_turns: int = 4
-    max_episode_tokens: int = 192
-    observation_chars: int = 256
-    timeout_s: float = 5.0
-    memory_mb: int = 256
-    failed_call_penalty: float = 0.0
-
-    def __post_init__(self) -> None:
-        _one_of("environment.name", self.name, environments.ENVIRONMENTS)
-        _check(self.max_turns >= 1, "environment.max_turns", self.max_turns, ">= 1")
-        _check(
-            self.max_episode_tokens >= 1,
-            "environment.max_episode_tokens",
-            self.max_episode_tokens,
-            ">= 1 token",
-        )
-        _check(
-            self.observation_chars > len(TRUNCATED),
-            "environment.observation_chars",
-            self.observation_chars,
-            f"> {len(TRUNCATED)} characters (room for the truncation mark)",
-        )
-        _check(0 < self.timeout_s <= 600, "environment.timeout_s", self.timeout_s, "(0, 600] s")
-        _check(self.memory_mb >= 64, "environment.memory_mb", self.memory_mb, ">= 64 MB")
-        _check(
-            0 <= self.failed_call_penalty <= 1,
-            "environment.failed_call_penalty",
-            self.failed_call_penalty,
-            "[0, 1] (0: off)",
-        )
-
-    @property
-    def multi_turn(self) -> bool:
-        """Episodes go through the environment loop (any environment but "none")."""
-        return self.name != environments.NONE
-
-    def reward_floor(self) -> float:
-        """How far below the verifier's range shaping can take a reward."""
-        return self.failed_call_penalty * self.max_turns if self.multi_turn else 0.0
-
-
-MESH_AXES = ("data", "fsdp", "tensor")  # = tpu_jobs.model.mesh.AXES (this module imports no jax)
-
-
-@dataclass(frozen=True)
-class MeshConfig:
-    """Device meshes of the roles (`tpu_jobs/model/mesh.py`, docs/scaling.md).
-
-    A shape is (data, fsdp, tensor); one entry may be -1 (all remaining devices). None
-    (the default) = one device, nothing sharded. `trainer` places the train state and
-    batches (the rollout batch's rows, prompts_per_batch * group_size, and micro-batches
-    must be multiples of data * fsdp); `sampler` is the mesh of the rollout workers, the
-    evaluator and pass-rate jobs (usually (-1, 1, 1): data parallel; never fsdp). Each role
-    is normally its own process and uses all of its devices; roles sharing a process get
-    disjoint device slices (`tpu_jobs.model.mesh.config_meshes`). `distributed`: the trainer
-    calls `jax.distributed.initialize` first (multi-host: coordinator from RLAX_COORDINATOR
-    / RLAX_NUM_PROCESSES / RLAX_PROCESS_ID, else auto-detected on TPU pods, Slurm, Open MPI).
-    """
-
-    trainer: tuple[int, ...] | None = None
-    sampler: tuple[int, ...] | None = None
-    distributed: bool = False
-
-    def __post_init__(self) -> None:
-        for name, kind in _optional_types(type(self)).items():
-            value = getattr(self, name)
-            if value is None:
-                continue
-            value = _coerce(value, kind, f"mesh.{name}")
-            object.__setattr__(self, name, value)
-            _check(
-                len(value) == len(MESH_AXES)
-                and all(s >= 1 or s == -1 for s in value)
-                and value.count(-1) <= 1,
-                f"mesh.{name}",
-                list(value),
-                f"null (one device) or {len(MESH_AXES)} sizes for {MESH_AXES}, each >= 1 or "
-                "-1 (all remaining devices, at most one entry)",
-            )
-        _check(
-            isinstance(self.distributed, bool), "mesh.distributed", self.distributed, "true/false"
-        )
-
-
-PUBLISH_DTYPES = ("sampler", "float32", "bfloat16")  # = pipeline.weight_codec's + "sampler"
-
-
-@dataclass(frozen=True)
-class ParamServerConfig:
-    """How the trainer publishes weight versions and the workers pull them
-    (`pipeline/paramserver/`, docs/parameter-server.md, docs/scale-model.md).
-
-    dtype: the dtype of published versions: "sampler" (the default: `sampler.dtype`, so
-        float32 on CPU and bfloat16 where the workers sample in bfloat16), "float32" or
-        "bfloat16". The trainer keeps float32 master weights in its checkpoints either way.
-    full_every: every `full_every`-th version is a full snapshot; the others are XOR deltas
-        against the previous version (and full versions carry one too, so a worker holding
-        the previous version never needs the full one). 1 (the default): every version full,
-        no deltas, as runs before this option.
-    tensor_parts: weights the sampler's mesh splits over its `tensor` axis are stored in
-        this many pieces, one per tensor rank, so a host downloads only its ranks' bytes.
-        0 (the default): the tensor size of `mesh.sampler` when it is a fixed number, else 1.
-    pull_concurrency: parallel (ranged) reads of one pull, and parallel uploads of a publish.
-    shard_mib: shard objects of small pieces are grouped up to this size.
-    range_mib: one ranged read of a remote shard object.
-    """
-
-    dtype: str = "sampler"
-    full_every: int = 1
-    tensor_parts: int = 0
-    pull_concurrency: int = 8
-    shard_mib: int = 64
-    range_mib: int = 16
-
-    def __post_init__(self) -> None:
-        _one_of("paramserver.dtype", self.dtype, PUBLISH_DTYPES)
-        _check(self.full_every >= 1, "paramserver.full_every", self.full_every,
-               ">= 1 (1: every version a full snapshot, no deltas)")  # fmt: skip
-        _check(self.tensor_parts >= 0, "paramserver.tensor_parts", self.tensor_parts,
-               ">= 0 (0: the tensor size of mesh.sampler)")  # fmt: skip
-        for name in ("pull_concurrency", "shard_mib", "range_mib"):
-            _check(getattr(self, name) >= 1, f"paramserver.{name}", getattr(self, name), ">= 1")
-
-    def publish_dtype(self, sampler_dtype: str) -> str:
-        return sampler_dtype if self.dtype == "sampler" else self.dtype
-
-    def parts(self, sampler_mesh: tuple[int, ...] | None) -> int:
-        """Tensor ranks a version is split into."""
-        if self.tensor_parts:
-            return self.tensor_parts
-        tensor = None if sampler_mesh is None else sampler_mesh[MESH_AXES.index("tensor")]
-        return tensor if tensor and tensor > 0 else 1
-
-
-@dataclass(frozen=True)
 class RunConfig:
     seed: int = 0
     workers: int = 2
@@ -915,7 +641,7 @@ class RunConfig:
                 self.rollout.judge_fraction,
                 f"0 with environment.name={env.name!r} (judging tool episodes is not built)",
             )
-        tensor = None if self.mesh.sampler is None else self.mesh.sampler[MESH_AXES.index("tensor")]
+        tensor = tensor_size(self.mesh.sampler)
         parts = self.paramserver.tensor_parts
         _check(
             not parts or tensor in (None, -1, parts),
@@ -966,191 +692,11 @@ class RunConfig:
         with a default leaves the digest of every existing config unchanged, so runs
         created before it still resume.
         """
-        settings = _non_defaults(self)
-        for old, new in MOVED_KEYS.items():  # digested where they were: old runs resume
-            value = _pop_path(settings, new)
-            if value is not _ABSENT:
-                settings.setdefault(old[0], {})[old[1]] = value
-        blob = json.dumps(settings, sort_keys=True, default=list).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return config_io.digest(self)
 
 
-# Keys that moved, old place -> today's: the family options once lived in the global task
-# and SFT sections. Old configs (and config.json files) load through `_move_keys`.
-MOVED_KEYS: dict[tuple[str, str], tuple[str, str, str]] = {
-    ("task", "min_digits"): ("task", "arithmetic", "min_digits"),
-    ("task", "max_digits"): ("task", "arithmetic", "max_digits"),
-    ("task", "countdown_numbers"): ("task", "countdown", "numbers"),
-    ("sft", "carry_drop_prob"): ("task", "arithmetic", "carry_drop_prob"),
-    ("sft", "countdown_error_prob"): ("task", "countdown", "error_prob"),
-}
-_ABSENT = object()
-
-
-def _pop_path(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
-    """Remove and return tree[path[0]][path[1]]...; drop sections left empty."""
-    node = tree.get(path[0], _ABSENT)
-    if len(path) == 1:
-        return tree.pop(path[0], _ABSENT)
-    if not isinstance(node, dict):
-        return _ABSENT
-    value = _pop_path(node, path[1:])
-    if not node:
-        del tree[path[0]]
-    return value
-
-
-def _move_keys(data: Mapping[str, Any]) -> dict[str, Any]:
-    """A run config mapping with the MOVED_KEYS in today's places (idempotent)."""
-    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in data.items()}
-    for old, new in MOVED_KEYS.items():
-        value = _pop_path(out, old)
-        if value is _ABSENT:
-            continue
-        section = out.setdefault(new[0], {}).setdefault(new[1], {})
-        if not isinstance(section, dict):
-            raise ConfigError(f"{new[0]}.{new[1]} must be a mapping, got {section!r}")
-        section = out[new[0]][new[1]] = dict(section)
-        if new[2] in section and section[new[2]] != value:
-            raise ConfigError(
-                f"{'.'.join(old)}={value!r} (its old name) and {'.'.join(new)}="
-                f"{section[new[2]]!r} disagree; set only {'.'.join(new)}"
-            )
-        section[new[2]] = value
-    return out
-
-
-MIGRATIONS[RunConfig] = _move_keys
-
-
-def _non_defaults(config: Any) -> dict[str, Any]:
-    """{field: value} of a config's fields that differ from their default, nested sections
-    as such dicts (omitted when nothing in them differs)."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            if nested := _non_defaults(value):
-                out[f.name] = nested
-            continue
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        if value != default:
-            out[f.name] = value
-    return out
-
-
-def legacy_digest(stored: Mapping[str, Any]) -> str:
-    """The digest earlier versions wrote into checkpoints: a hash of every field of the
-    config as stored in the run's config.json (before `RunConfig.digest` dropped defaults)."""
-    blob = json.dumps(stored, sort_keys=True, default=list).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-_TYPE_WORDS = {int: "an integer", float: "a number"}
-
-
-def _coerce(value: Any, tp: Any, name: str) -> Any:
-    """Convert a YAML/CLI value to the annotated type, or raise ConfigError."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{name} must be a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, prefix=name + ".")
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list | tuple):
-            value = [value]
-        (item_tp, _) = typing.get_args(tp)
-        return tuple(_coerce(v, item_tp, name) for v in value)
-    if origin in (typing.Union, types.UnionType):
-        return value
-    if tp in (int, float) and isinstance(value, bool):
-        # YAML's `steps: true` is a bool, and int(True) == 1: a typo, not a number.
-        raise ConfigError(
-            f"{name}={value!r} is invalid; allowed: {_TYPE_WORDS[tp]}, not true or false"
-        )
-    try:
-        if tp is bool:
-            if isinstance(value, str):
-                low = value.lower()
-                if low not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                return low in ("true", "1", "yes")
-            return bool(value)
-        if tp is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if tp is float:
-            out = float(value)
-            if math.isfinite(out):
-                return out
-        if tp is str:
-            return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} is invalid; allowed: a {tp.__name__}") from None
-    if tp is float:  # .inf / .nan from YAML: no field means them
-        raise ConfigError(f"{name}={value!r} is invalid; allowed: a finite number")
-    return value
-
-
-def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
-    """Build dataclass `cls` from a (nested) mapping, rejecting unknown keys."""
-    if cls in MIGRATIONS:
-        data = MIGRATIONS[cls](data)
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            raise ConfigError(f"unknown config key '{prefix}{key}'; allowed: {', '.join(names)}")
-        kwargs[key] = _coerce(value, hints[key], prefix + key)
-    return cls(**kwargs)
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
-    node[parts[-1]] = value
-
-
-def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
-    """`["trainer.lr=3e-4", "task.families=arithmetic"]` -> nested dict."""
-    tree: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.field=value")
-        key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
-    return tree
-
-
-def override_section(section: Any, name: str, overrides: Iterable[str]) -> Any:
-    """A config section (e.g. a run's `tracking`) with dotted `{name}.*` overrides applied;
-    any other key is refused (`rlax track` sends a stored run elsewhere, nothing more)."""
-    tree = parse_overrides(overrides)
-    other = sorted(set(tree) - {name})
-    if other:
-        raise ConfigError(f"only {name}.* settings can be set here, got {', '.join(other)}")
-    merged = _merge(dataclasses.asdict(section), tree.get(name, {}))
-    return from_dict(type(section), merged, prefix=f"{name}.")
-
-
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(dict(out[key]), value)
-        else:
-            out[key] = value
-    return out
+MIGRATIONS[TrainerConfig] = _fold_loss_keys
+MIGRATIONS[RunConfig] = config_io.move_keys
 
 
 def load_config(
@@ -1159,42 +705,14 @@ def load_config(
     extra: Mapping[str, Any] | None = None,
 ) -> RunConfig:
     """Load a YAML run config, then apply a mapping (`extra`) and dotted overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist (see configs/ for examples)")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise ConfigError(
-                f"config file {str(p)!r} is not valid YAML{where}: {problem}"
-            ) from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r} must hold a mapping at top level")
-        data = loaded
-    # Each layer in today's shape before merging, so that a later layer wins whichever
-    # spelling (`trainer.kl_coef` or `trainer.loss.kl_coef`) each one uses.
-    for layer in (extra or {}, parse_overrides(overrides)):
-        data = _merge(migrate(data), migrate(layer))
-    return from_dict(RunConfig, data)
+    return config_io.load(RunConfig, path, overrides, extra)
 
 
 def migrate(data: Mapping[str, Any], cls: type = RunConfig) -> dict[str, Any]:
-    """A (possibly older-shaped) mapping for `cls` in today's shape: the MIGRATIONS of
-    `cls` and of its sections applied. Idempotent."""
-    out = MIGRATIONS[cls](data) if cls in MIGRATIONS else dict(data)
-    hints = typing.get_type_hints(cls)
-    for key, value in out.items():
-        tp = hints.get(key)
-        if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
-            out[key] = migrate(value, tp)
-    return out
+    """A (possibly older-shaped) mapping for `cls` in today's shape (`config_io.migrate`)."""
+    return config_io.migrate(data, cls)
 
 
 def config_from_json(text: str) -> RunConfig:
     """The run config stored in a run's config.json (by this or an earlier version)."""
-    return from_dict(RunConfig, json.loads(text))
+    return config_io.from_json(RunConfig, text)

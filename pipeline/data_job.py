@@ -9,13 +9,10 @@ from __future__ import annotations
 import argparse
 
 from pipeline.config import ConfigError
+from pipeline.entrypoint import BAD_INPUT
 from pipeline.layout import CURATED_PREFIX
 from pipeline.problem_sets import write_curated_data, write_data
 from pipeline.run import Run
-
-# Exit code for input that a retry cannot fix (a bad task option, curated data the run
-# cannot verify): the DAG task fails for good instead of retrying.
-BAD_INPUT = 2
 
 
 def main(argv: list[str] | None = None) -> int:

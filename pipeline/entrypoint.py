@@ -18,6 +18,11 @@ from pipeline.errors import ArgumentError
 from pipeline.sandbox import SandboxError
 from pipeline.storage import ObjectNotFound, StorageError, StorageUrlError
 
+# Exit code of an error a retry cannot fix (bad arguments, a bad task option, curated data
+# the run cannot verify): the DAG task that started the job fails for good instead of
+# retrying. Every job's expected errors end with it (`run_main`).
+BAD_INPUT = 2
+
 DEBUG_ENV = "RLAX_DEBUG"
 
 
@@ -64,7 +69,7 @@ def describe(err: BaseException) -> str | None:
 
 
 def run_main(prog: str, main: Callable[[Sequence[str] | None], int], argv=None) -> int:
-    """main(argv), with expected errors reduced to one line on stderr (exit code 2)."""
+    """main(argv), with expected errors reduced to one line on stderr (exit code BAD_INPUT)."""
     try:
         return main(argv)
     except KeyboardInterrupt:
@@ -74,4 +79,4 @@ def run_main(prog: str, main: Callable[[Sequence[str] | None], int], argv=None) 
         if line is None:
             raise
         print(f"{prog}: {line}", file=sys.stderr, flush=True)
-        return 2
+        return BAD_INPUT

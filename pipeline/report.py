@@ -11,6 +11,9 @@ Reads only what the roles wrote (metrics records, eval summaries); never recompu
 `build_report` then feeds the run's trackers (`pipeline/tracking.py`, the `tracking`
 section): by default the TensorBoard event files in `{run}/tensorboard/` of a local run
 (`pipeline/tb_export.py`); MLflow and W&B get the records, the config and this report.
+
+A library, not an entry point: the `report` job (`pipeline.report_job`), the demo and the
+Airflow UI's report tab (`dags/report_plugin.py`) all import it.
 """
 
 from __future__ import annotations
@@ -653,42 +656,3 @@ def report_html(markdown: str | None, note: str, tracked: Sequence[TrackedRun] =
         links=tracker_links(tracked),
         body=md.render(markdown) if markdown else "",
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from pipeline.run import DONE_KEY
-
-    parser = argparse.ArgumentParser(
-        prog="python -m pipeline.report", description="Write a run's report/report.md and plots."
-    )
-    parser.add_argument("--run", required=True, help="run URL (directory or gs://...)")
-    parser.add_argument(
-        "--keep-existing",
-        action="store_true",
-        help="leave a finished run's report as it is (it was written after its evaluation)",
-    )
-    parser.add_argument(
-        "--summary",
-        action="store_true",
-        help="print the headline table (pass@1, pass@k per version) instead of the report",
-    )
-    args = parser.parse_args(argv)
-    run = Run.open(args.run)
-    where = run.store.url_of(REPORT_KEY)
-    if args.keep_existing and run.store.exists(DONE_KEY) and run.store.exists(REPORT_KEY):
-        print(f"[report] already written: {where}")
-    else:
-        md = build_report(run)
-        if not args.summary:
-            print(md, flush=True)
-        print(f"[report] {where}")
-    if args.summary:
-        evals = run.read_metrics("eval")
-        print(f"[report] held-out evaluation (95% intervals):\n{headline(evals)}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

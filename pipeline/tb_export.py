@@ -32,13 +32,19 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pipeline.layout import DONE_KEY
-from pipeline.storage import local_path
+from pipeline.storage import ObjectStore, local_path
 
-if TYPE_CHECKING:  # pipeline.run imports the config, which imports pipeline.tracking
-    from pipeline.run import Run
+
+class RunRecords(Protocol):
+    """What the exporters read of a run: its store (`pipeline.run.Run` is one). Named here
+    rather than imported: pipeline.run imports the config, which composes the tracking
+    section defined beside these exporters, so importing Run would close an import loop."""
+
+    store: ObjectStore
+
 
 EVENT_PREFIX = "events.out.tfevents."
 SKIP_KEYS = {"index", "time", "step", "version"}  # bookkeeping, or the x axis itself
@@ -46,7 +52,7 @@ X_KEYS = {"rollout": "batch_index"}  # streams whose x axis is not the trainer s
 CI_KEYS = {"mean", "lo", "hi"}
 
 
-def local_logdir(run: Run) -> Path | None:
+def local_logdir(run: RunRecords) -> Path | None:
     """`{run}/tensorboard` for a run in a local directory; None for a gs:// run."""
     path = local_path(run.store.url)
     return None if path is None else path / "tensorboard"
@@ -115,7 +121,7 @@ class Exporter:
     """Incremental export: `sync()` writes the records not written yet; a record that
     would go before one already written (per stream) restarts the export from scratch."""
 
-    def __init__(self, run: Run, logdir: str | os.PathLike[str], *, log=print) -> None:
+    def __init__(self, run: RunRecords, logdir: str | os.PathLike[str], *, log=print) -> None:
         self.run = run
         self.logdir = Path(logdir)
         self.log = log
@@ -169,7 +175,7 @@ class Exporter:
 
 
 def export(
-    run: Run,
+    run: RunRecords,
     logdir: str | os.PathLike[str],
     *,
     follow: bool = False,

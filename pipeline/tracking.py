@@ -4,7 +4,7 @@ r"""Experiment trackers fed from the run's own metrics records: TensorBoard, MLf
 
 The trainer, rollout workers and evaluators only write their immutable records
 (`metrics/{stream}/...json`); one exporter reads them and feeds every backend of the run's
-`tracking` section (`pipeline.config.TrackingConfig`), so no training process holds
+`tracking` section (`TrackingConfig`, below), so no training process holds
 tracker credentials and a tracker that is down never slows or fails training. The
 exporter runs where `tb_export` always ran: in the `report` job (the Airflow DAG's
 `report` task, `rlax report`, the demo's last stage) and from `rlax track --follow`.
@@ -45,15 +45,33 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
 from pipeline.layout import DONE_KEY, METRICS_PREFIX, REPORT_PREFIX, TRACKING_PREFIX
+from pipeline.tb_export import RunRecords
 
 if TYPE_CHECKING:
-    from pipeline.run import Run
     from pipeline.storage import ObjectStore
+
+
+class _RunSettings(Protocol):
+    """The part of a run's config the exporter reads (`pipeline.config.RunConfig` is one)."""
+
+    tracking: TrackingConfig
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class TrackedSource(RunRecords, Protocol):
+    """What the exporter and its sinks read of a run (`pipeline.run.Run` is one): its URL,
+    store and config. A protocol, not Run itself: pipeline.run imports the config, which
+    composes `TrackingConfig` from this module, so importing Run here would close a loop."""
+
+    url: str
+    config: _RunSettings
+
 
 Log = Callable[[str], None]
 MLFLOW_BATCH = 1000  # metrics per log_batch call (the server's MAX_METRICS_PER_BATCH)
@@ -133,7 +151,7 @@ class Sink(abc.ABC):
 
     name = ""
 
-    def __init__(self, run: Run, cfg: TrackingConfig, log: Log) -> None:
+    def __init__(self, run: TrackedSource, cfg: TrackingConfig, log: Log) -> None:
         self.run, self.cfg, self.log = run, cfg, log
 
     @abc.abstractmethod
@@ -150,7 +168,7 @@ class TensorBoardSink(Sink):
 
     name = "tensorboard"
 
-    def __init__(self, run: Run, cfg: TrackingConfig, log: Log) -> None:
+    def __init__(self, run: TrackedSource, cfg: TrackingConfig, log: Log) -> None:
         super().__init__(run, cfg, log)
         self._exporter = None
 
@@ -175,7 +193,7 @@ class TrackerSink(Sink):
     the exported record keys (compare-and-swap), the report as artifacts. Subclasses say
     how to create, resume and log."""
 
-    def __init__(self, run: Run, cfg: TrackingConfig, log: Log) -> None:
+    def __init__(self, run: TrackedSource, cfg: TrackingConfig, log: Log) -> None:
         super().__init__(run, cfg, log)
         self.tracked: TrackedRun | None = None
 
@@ -289,7 +307,7 @@ class TrackerSink(Sink):
         return True
 
 
-def _latest_version(run: Run) -> int | None:
+def _latest_version(run: TrackedSource) -> int | None:
     from pipeline.paramserver import ParamServer  # only its LATEST pointer is read
 
     return ParamServer(run.store).latest_version()
@@ -303,7 +321,7 @@ class MlflowSink(TrackerSink):
 
     name = "mlflow"
 
-    def __init__(self, run: Run, cfg: TrackingConfig, log: Log) -> None:
+    def __init__(self, run: TrackedSource, cfg: TrackingConfig, log: Log) -> None:
         super().__init__(run, cfg, log)
         from mlflow.tracking import MlflowClient
 
@@ -373,7 +391,7 @@ class WandbSink(TrackerSink):
 
     name = "wandb"
 
-    def __init__(self, run: Run, cfg: TrackingConfig, log: Log) -> None:
+    def __init__(self, run: TrackedSource, cfg: TrackingConfig, log: Log) -> None:
         super().__init__(run, cfg, log)
         self._wb = None
         self._axes: set[str] = set()
@@ -508,7 +526,7 @@ class Exporter:
     """Every sink of `cfg.backends`; `sync()` runs each, and a failure of one is logged
     (once until it recovers) and retried on the next `sync()`, never raised."""
 
-    def __init__(self, run: Run, cfg: TrackingConfig, *, log: Log = print) -> None:
+    def __init__(self, run: TrackedSource, cfg: TrackingConfig, *, log: Log = print) -> None:
         self.run, self.cfg, self.log = run, cfg, log
         self.sinks: dict[str, Sink | None] = dict.fromkeys(cfg.backends)
         self.failing: set[str] = set()
@@ -554,7 +572,7 @@ def _first_line(err: BaseException) -> str:
 
 
 def export(
-    run: Run,
+    run: TrackedSource,
     cfg: TrackingConfig | None = None,
     *,
     follow: bool = False,

@@ -51,7 +51,7 @@ CODECS: dict[str, int | None] = {CODEC: BLOCK_ELEMS, "xor-byteplanes-zstd": None
 # costs the same at every level.
 ZSTD_LEVEL = 1
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-# Published dtypes by config name (pipeline.config.ParamServerConfig.dtype).
+# Published dtypes by config name (pipeline.paramserver.config.ParamServerConfig.dtype).
 PUBLISH_DTYPES = ("float32", "bfloat16")
 
 

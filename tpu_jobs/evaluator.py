@@ -62,10 +62,10 @@ from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
 from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.tasks import get_task
 from pipeline.tasks.datasets import DATASETS, load_dataset
+from pipeline.tokenizer.run import run_tokenizer
 from tpu_jobs.generate.episodes import sample_rows
 from tpu_jobs.generate.registry import make_sampler
 from tpu_jobs.generate.sample_verify import EVAL_STREAM, sample_keys, sampler_mesh
-from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.model import mesh as meshlib
 from tpu_jobs.model.judge import load_orm, self_scores
 from tpu_jobs.model.transformer import init_model, load_flat_params

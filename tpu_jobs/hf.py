@@ -41,7 +41,7 @@ import numpy as np
 
 from pipeline.config import ModelConfig
 from pipeline.layout import HF_PREFIX
-from tpu_jobs.hf_tokenizer import CONFIG_FILE, TOKENIZER_FILES, HFError
+from pipeline.tokenizer.hf import CONFIG_FILE, TOKENIZER_FILES, HFError
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -51,7 +51,7 @@ from pipeline.config import ModelConfig
 from pipeline.metrics import roc_auc
 from pipeline.rollouts import from_parquet_bytes
 from pipeline.run import ORM_PREFIX, Run, RunError, base_server, orm_server
-from tpu_jobs.hf_tokenizer import run_tokenizer
+from pipeline.tokenizer.run import run_tokenizer
 from tpu_jobs.model.batching import pack_rows, round_up
 from tpu_jobs.model.judge import judge_sequences, self_scores, verdict_ids
 from tpu_jobs.model.state import flat_to_params, make_optimizer, new_model, params_to_flat

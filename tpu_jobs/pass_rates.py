@@ -32,10 +32,10 @@ from pipeline.run import Run
 from pipeline.storage import glob, local_path, open_parent
 from pipeline.tasks import TASKS
 from pipeline.tasks.base import Problem
+from pipeline.tokenizer.run import run_tokenizer
 from tpu_jobs.generate.episodes import sample_rows
 from tpu_jobs.generate.registry import make_sampler
 from tpu_jobs.generate.sample_verify import PASS_RATE_STREAM, sample_keys, sampler_mesh
-from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.model import mesh as meshlib
 from tpu_jobs.model.transformer import init_model, load_flat_params
 

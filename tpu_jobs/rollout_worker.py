@@ -11,7 +11,7 @@ sample index) only, so whichever worker produces a batch, it is the same batch.
 A snapshot that fails its checksums is refused and the worker keeps its weights, leaves a
 damage report for the trainer (which republishes the version, docs/parameter-server.md,
 *Repairs*) and backs off until the report is cleared.
-Text is encoded with the run's tokenizer (`model.tokenizer`, `tpu_jobs.hf_tokenizer.run_tokenizer`);
+Text is encoded with the run's tokenizer (`model.tokenizer`, `pipeline.tokenizer.run.run_tokenizer`);
 with `mesh.sampler` set, the worker samples on a mesh of all its devices (docs/scaling.md).
 
 DAPO's rollout side (Yu et al. 2025), on when the trainer config asks for it
@@ -62,6 +62,7 @@ from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
 from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks.judge import judge_context, judge_reward
+from pipeline.tokenizer.run import run_tokenizer
 from tpu_jobs.generate.episodes import sample_rows
 from tpu_jobs.generate.registry import make_sampler
 from tpu_jobs.generate.sample_verify import (
@@ -70,7 +71,6 @@ from tpu_jobs.generate.sample_verify import (
     sample_keys,
     sampler_mesh,
 )
-from tpu_jobs.hf_tokenizer import run_tokenizer
 from tpu_jobs.learning.losses import filter_constant_groups, overlong_penalty
 from tpu_jobs.model import mesh as meshlib
 from tpu_jobs.model.judge import VERDICT_MAX_TOKENS, suffix_ids

@@ -31,7 +31,7 @@ from pipeline.tasks import TASKS
 from pipeline.tasks.base import SyntheticTask
 from pipeline.tasks.judge import verdict_text
 from pipeline.tasks.mix import synthetic_task
-from tpu_jobs.hf_tokenizer import run_tokenizer
+from pipeline.tokenizer.run import run_tokenizer
 from tpu_jobs.model.batching import pack_rows, round_up
 from tpu_jobs.model.judge import judged_completion_len, suffix_ids
 from tpu_jobs.model.state import make_optimizer, new_model, params_to_flat

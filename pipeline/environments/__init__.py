@@ -1,5 +1,5 @@
 """Registry of multi-turn environments: `ENVIRONMENTS[name]` builds one from the run's
-`environment` config section (`pipeline.config.EnvironmentConfig`).
+`environment` config section (`pipeline.environments.config.EnvironmentConfig`).
 
     "none"    single-turn episodes: one turn, no observation (the default; the rollout
               worker then samples as it always did)
@@ -7,39 +7,25 @@
               (`pipeline/environments/python_tool.py`)
 
 A new tool (a calculator, a search index) is an `Environment` subclass and one
-`register_environment(name, factory)` call (or a line below); the config, the rollout
-worker and the evaluator pick it up by name. Kept light: `pipeline.config` validates
-`environment.name` against it.
+`register_environment(name, factory)` call (a line below for a built-in one); the config,
+the rollout worker and the evaluator pick it up by name. The registry and the section
+that validates `environment.name` against it live in `pipeline/environments/config.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-from pipeline.environments.base import FINAL, Environment, StepResult
+from pipeline.environments.base import Environment, StepResult
+from pipeline.environments.config import (
+    ENVIRONMENTS,
+    NONE,
+    EnvironmentConfig,
+    SingleTurn,
+    known,
+    register_environment,
+)
 from pipeline.environments.python_tool import PythonTool
 
-if TYPE_CHECKING:
-    from pipeline.config import EnvironmentConfig
-
-NONE = "none"
-
-
-class SingleTurn(Environment):
-    """One turn per episode: every turn is final (today's single-turn sampling)."""
-
-    name = NONE
-
-    def step(self, turn: str) -> StepResult:
-        return FINAL
-
-
-# environment.name -> (the run's environment config) -> an Environment.
-ENVIRONMENTS: dict[str, Callable[[EnvironmentConfig], Environment]] = {
-    NONE: lambda cfg: SingleTurn(),
-    PythonTool.name: PythonTool.from_config,
-}
+register_environment(PythonTool.name, PythonTool.from_config)
 
 
 class UnknownEnvironmentError(KeyError):
@@ -47,19 +33,6 @@ class UnknownEnvironmentError(KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
-
-
-def known() -> str:
-    return ", ".join(sorted(ENVIRONMENTS))
-
-
-def register_environment(name: str, factory: Callable[[EnvironmentConfig], Environment]) -> None:
-    """Make `factory` the environment called `name` (a name already taken is refused)."""
-    if not name or not name.isidentifier():
-        raise ValueError(f"environment name {name!r} is invalid; allowed: an identifier")
-    if name in ENVIRONMENTS:
-        raise ValueError(f"environment {name!r} is already registered; known: {known()}")
-    ENVIRONMENTS[name] = factory
 
 
 def make_environment(cfg: EnvironmentConfig) -> Environment:
@@ -75,6 +48,7 @@ __all__ = [
     "ENVIRONMENTS",
     "NONE",
     "Environment",
+    "EnvironmentConfig",
     "PythonTool",
     "SingleTurn",
     "StepResult",

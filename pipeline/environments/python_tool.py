@@ -42,7 +42,7 @@ from pipeline.sandbox import ExecResult, Job, Limits
 from pipeline.tool_calls import TURN_STOP, call_program, is_malformed_call, observation
 
 if TYPE_CHECKING:
-    from pipeline.config import EnvironmentConfig
+    from pipeline.environments.config import EnvironmentConfig
 
 MALFORMED = "malformed call: a closing ``` with no ```python before it"
 # Output a tool run may print before it is stopped (the observation keeps far less).

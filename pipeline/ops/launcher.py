@@ -42,7 +42,7 @@ JOBS: dict[str, str] = {
     "eval": "tpu_jobs.evaluator",
     "pass-rates": "tpu_jobs.pass_rates",
     "orm": "tpu_jobs.orm",
-    "report": "pipeline.report",
+    "report": "pipeline.report_job",
 }
 # Jobs that are not about one run (no `--run`): the Beam curation job and the HF tools.
 CURATE_MODULE = "beam_jobs.curate"

@@ -34,7 +34,9 @@ its own epoch checks just before.
 Modules: ``server`` (``ParamServer``: epochs, LATEST, publish and pull, retention, healing),
 ``snapshot`` (``Snapshot``: tensors in hand cut into pieces), ``manifest`` (keys and the
 manifest format), ``publish`` (the writing side), ``pull`` (the reading side: parallel
-ranged reads and the rebuild of pieces), ``errors``.
+ranged reads and the rebuild of pieces), ``errors``, and ``publishing`` (``Publisher``: a
+trainer's policy of full or delta versions, the delta base, retention and repairs; import it
+from there: it uses ``pipeline.retention``, which uses this package).
 """
 
 from pipeline.paramserver.errors import (
@@ -42,6 +44,7 @@ from pipeline.paramserver.errors import (
     ParamServerError,
     SnapshotNotFoundError,
     StaleEpochError,
+    UnrecoverableVersionError,
 )
 from pipeline.paramserver.server import DEFAULT_RANGE_BYTES, DEFAULT_SHARD_BYTES, ParamServer
 from pipeline.paramserver.snapshot import Snapshot, split_axes_of
@@ -56,4 +59,5 @@ __all__ = [
     "SnapshotNotFoundError",
     "StaleEpochError",
     "split_axes_of",
+    "UnrecoverableVersionError",
 ]

@@ -7,6 +7,7 @@ __all__ = [
     "ParamServerError",
     "SnapshotNotFoundError",
     "StaleEpochError",
+    "UnrecoverableVersionError",
 ]
 
 
@@ -24,3 +25,8 @@ class CorruptSnapshotError(ParamServerError):
 
 class SnapshotNotFoundError(ParamServerError, LookupError):
     """No committed snapshot for the requested version (or no LATEST yet)."""
+
+
+class UnrecoverableVersionError(ParamServerError):
+    """A version the run still needs is damaged and no exact copy of it is left (neither
+    the trainer's parameters, an intact chain in the store nor a checkpoint)."""

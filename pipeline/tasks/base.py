@@ -132,7 +132,7 @@ class SyntheticTask(Task):
 
     `Options` is the family's own frozen dataclass of generator and teacher options, in
     one place: the run config gets a section `task.<name>` of that type for every
-    registered synthetic family (`pipeline.config.TaskConfig`), validated by the
+    registered synthetic family (`pipeline.tasks.config.TaskConfig`), validated by the
     dataclass itself. `NOISE_FIELDS` name the options that make the teacher err.
     """
 

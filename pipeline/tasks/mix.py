@@ -15,7 +15,7 @@ from pipeline.tasks import get_task
 from pipeline.tasks.base import Problem, SyntheticTask
 
 if TYPE_CHECKING:
-    from pipeline.config import TaskConfig
+    from pipeline.tasks.config import TaskConfig
 
 _SPLIT_STREAM = 0x5B1175  # separates the split generator from other users of cfg.seed
 # Rejection sampling gives up after this many draws per wanted problem (plus a margin):

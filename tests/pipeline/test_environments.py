@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.config import load_config
 from pipeline.environments import (
     ENVIRONMENTS,
     Environment,
@@ -18,7 +19,9 @@ from pipeline.environments import (
     make_environment,
     register_environment,
 )
+from pipeline.environments.config import EnvironmentConfig
 from pipeline.environments.python_tool import PythonTool
+from pipeline.errors import ConfigError
 from pipeline.sandbox.isolation import userns_forbidden
 from pipeline.tool_calls import CALL_CLOSE, CALL_OPEN, OUTPUT_CLOSE, OUTPUT_OPEN
 
@@ -133,8 +136,12 @@ def test_a_registered_environment_is_built_by_name():
         def step(self, turn: str) -> StepResult:
             return StepResult(f"[{turn}]", done=False)
 
+    with pytest.raises(ConfigError, match="environment.name='echo_test'"):
+        EnvironmentConfig(name="echo_test")
     register_environment("echo_test", lambda cfg: Echo())
     try:
+        # Registering is all the section needs: it checks names against the registry.
+        assert load_config(None, ["environment.name=echo_test"]).environment.multi_turn
         env = make_environment(types.SimpleNamespace(name="echo_test"))
         assert env.step_many(["a?", "b?"]) == [StepResult("[a?]", False), StepResult("[b?]", False)]
         assert make_environment(types.SimpleNamespace(name="none")).step("x").done

@@ -6,7 +6,7 @@ import json
 import subprocess
 
 from dags.params import config_from_params
-from pipeline.data_job import BAD_INPUT
+from pipeline.entrypoint import BAD_INPUT
 from pipeline.layout import CURATED_PREFIX
 from pipeline.ops import launcher
 from pipeline.problem_sets import write_curated_data

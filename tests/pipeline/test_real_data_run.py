@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dags.params import config_from_params
-from pipeline.data_job import BAD_INPUT
+from pipeline.entrypoint import BAD_INPUT
 from pipeline.layout import CURATED_PREFIX
 from pipeline.ops import launcher
 from pipeline.rollouts import from_parquet_bytes
@@ -154,7 +154,7 @@ def test_curated_gsm8k_and_math_through_rl_and_eval(tmp_path):
     assert codes == {"trainer": 0, "worker0": 0}, logs
 
     # Every reward is math-verify's verdict (in the sandbox) on the decoded completion.
-    from tpu_jobs.hf_tokenizer import run_tokenizer
+    from pipeline.tokenizer.run import run_tokenizer
 
     tok = run_tokenizer(Run.open(run.url))
     by_id = {p.problem_id: p for p in train}

@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -127,3 +130,14 @@ def test_the_byte_tokenizer_needs_its_vocabulary():
     with pytest.raises(ValueError, match=r"model\.vocab_size=64.*>= 260, the byte tokenizer"):
         ModelConfig(tokenizer="byte", vocab_size=64)
     assert ModelConfig(tokenizer="byte", vocab_size=260).vocab_size == 260
+
+
+def test_the_tokenizer_package_stays_light():
+    # Every job imports the run's tokenizer; a run on the char tokenizer must not pay for
+    # the Hugging Face library (a native extension), its templates or JAX.
+    code = (
+        "import sys, pipeline.tokenizer.run, pipeline.tokenizer.hf; "
+        "sys.exit(sorted({'tokenizers', 'jinja2', 'jax'} & set(sys.modules)) or 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -20,9 +20,10 @@ from pipeline.run import base_server
 from pipeline.weight_codec import cast_for_publish
 from tests.runs import clone_run
 from tpu_jobs.generate.registry import make_sampler
+from tpu_jobs.learning.step import Learner
 from tpu_jobs.model.transformer import load_flat_params
 from tpu_jobs.rollout_worker import RolloutWorker
-from tpu_jobs.trainer import Learner, Trainer
+from tpu_jobs.trainer import Trainer
 
 
 def _with(cfg, section, **changes):

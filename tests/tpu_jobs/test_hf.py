@@ -18,7 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 from pipeline.config import ModelConfig  # noqa: E402
 from pipeline.tokenizer import get_tokenizer  # noqa: E402
-from tpu_jobs import hf, hf_tokenizer  # noqa: E402
+from pipeline.tokenizer import hf as hf_tokenizer  # noqa: E402
+from pipeline.tokenizer.run import load_run_tokenizer, run_tokenizer  # noqa: E402
+from tpu_jobs import hf  # noqa: E402
 from tpu_jobs.generate.decode import DECODE_LAYOUTS  # noqa: E402
 from tpu_jobs.generate.static import Sampler  # noqa: E402
 from tpu_jobs.model.transformer import flat_params, positions_from_mask  # noqa: E402
@@ -364,7 +366,7 @@ def test_cli_import_into_new_run_then_export(checkpoints, tmp_path):
         and reloaded.config.eos_token_id == hf_model.config.eos_token_id
     )
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    ours = hf_tokenizer.load_run_tokenizer(run)  # the adapter from the copies stored with the run
+    ours = load_run_tokenizer(run)  # the adapter from the copies stored with the run
     assert ours is not None and ours.eos_id == tok.eos_token_id
     assert (
         ours.encode_prompt("hi")
@@ -483,10 +485,10 @@ def test_hf_tokenizer_needs_an_imported_tokenizer_json(checkpoints, tmp_path):
     hf.import_to_run(path, url, overrides=["task.num_train=8", "task.num_eval=4"], log=print)
     run = Run.open(url)
     assert run.config.model.tokenizer == "char"  # nothing imported: the char tokenizer
-    assert hf_tokenizer.run_tokenizer(run).vocab_size == get_tokenizer("char").vocab_size
+    assert run_tokenizer(run).vocab_size == get_tokenizer("char").vocab_size
     forced = Run(url=run.url, store=run.store, config=_with_tokenizer(run, "hf"))
     with pytest.raises(hf.HFError, match=r"model.tokenizer=hf but .*rlax import-hf"):
-        hf_tokenizer.run_tokenizer(forced)
+        run_tokenizer(forced)
 
 
 def _with_tokenizer(run, tokenizer: str):

@@ -23,9 +23,10 @@ from pipeline.tokenizer import get_tokenizer
 from tests.runs import clone_run, tiny_config
 from tpu_jobs import rollout_worker as rw
 from tpu_jobs.generate.static import SampleResult
+from tpu_jobs.learning.step import Learner
 from tpu_jobs.model.batching import round_up
 from tpu_jobs.model.judge import VERDICT_MAX_TOKENS, judged_completion_len, suffix_ids
-from tpu_jobs.trainer import Learner, Trainer
+from tpu_jobs.trainer import Trainer
 
 TOK = get_tokenizer("char")
 SUFFIX = suffix_ids(TOK)

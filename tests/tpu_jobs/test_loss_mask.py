@@ -21,12 +21,12 @@ from pipeline.algorithms import PRESETS
 from pipeline.config import ModelConfig
 from tpu_jobs.learning.losses import compute_loss, loss_spec
 from tpu_jobs.learning.packing import pack
+from tpu_jobs.learning.step import alignment_metrics
 from tpu_jobs.learning.value_head import init_value_head, packed_policy_forward, policy_forward
 from tpu_jobs.model.batching import pack_rows
 from tpu_jobs.model.state import split_model
 from tpu_jobs.model.transformer import positions_from_mask
 from tpu_jobs.sft import sft_loss
-from tpu_jobs.trainer import alignment_metrics
 
 from .random_weights import random_model
 

@@ -51,7 +51,7 @@ def test_rules_give_megatron_fsdp_specs():
 
 def test_learner_rejects_batches_the_mesh_cannot_split():
     from tests.runs import tiny_config
-    from tpu_jobs.trainer import Learner
+    from tpu_jobs.learning.step import Learner
 
     cfg = tiny_config("rollout.prompts_per_batch=3", "rollout.group_size=2")  # 6 rows
     with pytest.raises(ValueError, match=r"data x fsdp = 8 .* 6 rows .* a multiple of 8 rows"):

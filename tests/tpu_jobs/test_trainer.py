@@ -3,7 +3,8 @@ finite-difference gradients through the tiny model, staleness and empty-batch dr
 DAPO's dynamic sampling on the rollout side.
 
 Compiled work is shared: the model's forward/backward programs are cached per model and
-shape (`trainer.model_programs`), so each extra algorithm compiles only its loss head.
+shape (`tpu_jobs.learning.step.model_programs`), so each extra algorithm compiles only its
+loss head.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pipeline.tasks import get_task
 from tests.runs import clone_run
 from tpu_jobs import rollout_worker as rw
 from tpu_jobs.learning import losses as L
+from tpu_jobs.learning.step import Learner
 from tpu_jobs.learning.value_head import hidden_states, init_value_head, lm_logits, policy_forward
 from tpu_jobs.model.state import split_model
 from tpu_jobs.model.transformer import (
@@ -36,7 +38,7 @@ from tpu_jobs.model.transformer import (
     positions_from_mask,
     sequence_logprobs,
 )
-from tpu_jobs.trainer import Learner, Trainer
+from tpu_jobs.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -780,3 +782,32 @@ def test_packed_steps_equal_unpacked_steps(alg, fused, micro_batch, grpo_run, tr
             assert mb[key] == pytest.approx(ma[key], rel=1e-4, abs=1e-6), key
     for a, b in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_the_publishing_policy_is_the_run_configs():
+    """What the trainer hands its Publisher (tests/pipeline/test_publishing.py drives it)."""
+    from pipeline.paramserver.publishing import PublishPolicy
+    from tests.runs import tiny_config
+    from tpu_jobs.trainer import publish_policy
+
+    cfg = tiny_config(
+        "paramserver.dtype=sampler",
+        "sampler.dtype=bfloat16",
+        "paramserver.full_every=3",
+        "paramserver.tensor_parts=2",
+        "trainer.publish_every=2",
+        "trainer.keep_versions=4",
+        "trainer.max_staleness=1",
+        "rollout.lease_seconds=12",
+    )
+    want = PublishPolicy(
+        dtype="bfloat16",
+        parts=2,
+        full_every=3,
+        publish_every=2,
+        keep_versions=4,
+        max_staleness=1,
+        clock_skew_s=12.0,  # a lease's length, at most 30 s
+    )
+    assert publish_policy(cfg) == want
+    assert publish_policy(tiny_config("rollout.lease_seconds=120")).clock_skew_s == 30.0

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pipeline.config import RunConfig
+from tpu_jobs.learning.step import Learner, StepInputs
 
 # Hugging Face config.json values of Qwen/Qwen2.5-{0.5B,1.5B,7B}, as config overrides
 # (`qwen25_overrides`): the shapes benchmarks/memory.py and benchmarks/accelerator.py use.
@@ -67,7 +68,6 @@ def compile_train_step(
     """The trainer's fused step for `cfg`, compiled for abstract inputs (see
     `train_step_memory`); its `as_text()` is the partitioned HLO."""
     from tpu_jobs.model import mesh as meshlib
-    from tpu_jobs.trainer import Learner, StepInputs
 
     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, fused_step=True))
     learner = Learner(cfg, prompt_len, abstract=True, mesh=mesh)

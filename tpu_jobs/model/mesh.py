@@ -117,7 +117,7 @@ def config_meshes(
     mesh_cfg: Any, roles: Sequence[str], devices: Sequence[Any] | None = None
 ) -> dict[str, Mesh | None]:
     """The meshes of `roles` ("trainer", "sampler") from a run config's `mesh` section
-    (`pipeline.config.MeshConfig`); None for a role whose shape is None (one device,
+    (`pipeline.mesh.MeshConfig`); None for a role whose shape is None (one device,
     nothing sharded).
 
     One sharded role (a role's own process, the usual deployment): a mesh over all the

@@ -13,9 +13,14 @@ what a tokenizer cannot encode, and the data job refuses such problems
 (`pipeline.problem_sets.check_representable`), pointing at `ByteTokenizer` ("byte":
 every UTF-8 byte one id, `vocab_size = 4 + 256`), the choice for a run from scratch on
 real text. A Hugging Face `tokenizers.Tokenizer` satisfies the same protocol through
-`tpu_jobs.hf_tokenizer.HFTokenizer`; a run picks its tokenizer with `model.tokenizer`
+`pipeline.tokenizer.hf.HFTokenizer`; a run picks its tokenizer with `model.tokenizer`
 ("char", "byte", or "hf": the one imported with its base) and every role gets it from
-`tpu_jobs.hf_tokenizer.run_tokenizer(run)`.
+`pipeline.tokenizer.run.run_tokenizer(run)`.
+
+The package is the one place of the run's tokenizer: this module (the protocol, the
+built-in tokenizers and their registry; imported by `pipeline.config` to check names),
+`hf.py` (the Hugging Face adapter; the `tokenizers` library is imported only when one is
+loaded) and `run.py` (the tokenizer of a run, which reads the run's stores).
 """
 
 from __future__ import annotations

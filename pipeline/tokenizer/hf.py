@@ -1,9 +1,11 @@
-"""Hugging Face tokenizers for a run: the adapter from a checkpoint's `tokenizer.json`
-(and its chat template) to the project's `Tokenizer` interface, and `run_tokenizer`, which
-every job calls to get the tokenizer its run was configured with.
+"""The Hugging Face tokenizer: the adapter from a checkpoint's `tokenizer.json` (and its
+chat template) to the project's `Tokenizer` protocol (`pipeline.tokenizer`).
 
-Not an entry point: the SFT, trainer, rollout, evaluation, pass-rate and ORM jobs and the
-HF import/export tool (`tpu_jobs.hf`) all import it, and it imports none of them.
+The `tokenizers` library and jinja2 are imported only when a tokenizer is loaded or a
+template compiled, so importing this module keeps `pipeline` light (no native library for
+a run on the char tokenizer). `pipeline.tokenizer.run.run_tokenizer` picks it for a run
+with `model.tokenizer=hf`; the HF import/export job (`tpu_jobs.hf`) shares its file names
+and `HFError`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.layout import HF_PREFIX
-from pipeline.tokenizer import REPLACEMENT, TOKENIZERS, Tokenizer, TokenizerBase, get_tokenizer
+from pipeline.tokenizer import REPLACEMENT, TokenizerBase
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = (
@@ -216,49 +217,3 @@ def _compile_template(template: str) -> Any:
 
 def load_tokenizer(directory: str | Path, **kwargs: Any) -> HFTokenizer:
     return HFTokenizer.from_dir(directory, **kwargs)
-
-
-def load_run_tokenizer(run: Any, **kwargs: Any) -> HFTokenizer | None:
-    """The tokenizer imported with the run's base model (`base/hf/`), or None if the base
-    did not come from an HF checkpoint with a tokenizer.json."""
-    import tempfile
-
-    from pipeline.run import base_server
-    from pipeline.storage import ObjectNotFound
-
-    store = base_server(run).store.child(HF_PREFIX)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in (CONFIG_FILE, *TOKENIZER_FILES):
-            try:
-                (Path(tmp) / name).write_bytes(store.read(name))
-            except ObjectNotFound:
-                continue
-        if not (Path(tmp) / "tokenizer.json").is_file():
-            return None
-        return HFTokenizer.from_dir(tmp, **kwargs)
-
-
-def run_tokenizer(run: Any) -> Tokenizer:
-    """The tokenizer every role of `run` uses (`model.tokenizer`): a built-in one, or
-    for "hf" the one imported with the run's base model (`base/hf/tokenizer.json`; prompts
-    rendered with its chat template when it has one)."""
-    cfg = run.config.model
-    if cfg.tokenizer in TOKENIZERS:  # built in: "char", "byte"
-        return get_tokenizer(cfg.tokenizer)
-    tok = load_run_tokenizer(run)
-    if tok is None:
-        raise HFError(
-            f"run {run.url} has model.tokenizer=hf but its base has no imported tokenizer "
-            f"(base/{HF_PREFIX}/tokenizer.json); import a checkpoint directory that holds "
-            f"tokenizer.json (`rlax import-hf PATH --run NEW_RUN`), or use model.tokenizer=char"
-        )
-    if tok.vocab_size > cfg.vocab_size:
-        raise HFError(
-            f"run {run.url}: the imported tokenizer has {tok.vocab_size} tokens, more than "
-            f"model.vocab_size={cfg.vocab_size} (the embedding rows); import a matching "
-            "tokenizer.json with the checkpoint"
-        )
-    return tok
-
-
-# --------------------------------------------------------------------------- runs
