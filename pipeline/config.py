@@ -271,7 +271,7 @@ class SFTConfig:
 
 # sampler.engine -> what generates (tpu_jobs.generate.registry.SAMPLERS): "jax" the
 # continuous-batching engine (tpu_jobs.generate.engine), "static" the one-batch reference sampler
-# (tpu_jobs.generate.static), "vllm" a vLLM server in its own virtualenv (tpu_jobs.generate.vllm_sampler).
+# (tpu_jobs.generate.static_sampler), "vllm" a vLLM server in its own virtualenv (tpu_jobs.generate.vllm_sampler).
 SAMPLER_ENGINES = ("jax", "static", "vllm")
 
 

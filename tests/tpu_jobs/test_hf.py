@@ -19,8 +19,9 @@ transformers = pytest.importorskip("transformers")
 from pipeline.config import ModelConfig  # noqa: E402
 from pipeline.tokenizer import get_tokenizer  # noqa: E402
 from tpu_jobs import hf, hf_tokenizer  # noqa: E402
-from tpu_jobs.generate.decode import DECODE_LAYOUTS  # noqa: E402
-from tpu_jobs.generate.static import Sampler  # noqa: E402
+from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS  # noqa: E402
+from tpu_jobs.generate.interface import SamplingParams  # noqa: E402
+from tpu_jobs.generate.static_sampler import StaticSampler  # noqa: E402
 from tpu_jobs.model import hf_checkpoint  # noqa: E402
 from tpu_jobs.model.transformer import flat_params, positions_from_mask  # noqa: E402
 
@@ -138,9 +139,9 @@ def test_greedy_generation_matches_transformers(checkpoints, family, layout):
             do_sample=False,
             pad_token_id=0,
         )[:, width:].numpy()
-    sampler = Sampler(cfg, pad_id=0, eos_id=-1, decode_layout=layout)
+    sampler = StaticSampler(cfg, pad_id=0, eos_id=-1, decode_layout=layout)
     keys = jax.random.split(jax.random.key(0), len(prompts))
-    out = sampler.generate(model, prompts, keys, max_new_tokens=32, temperature=0.0)
+    out = sampler.generate(model, prompts, keys, SamplingParams(max_new_tokens=32, temperature=0.0))
     assert ref.shape == (3, 32)
     np.testing.assert_array_equal(out.tokens, ref)
     assert len(set(ref.reshape(-1).tolist())) > 4  # not a constant sequence

@@ -23,6 +23,7 @@ from pipeline.paramserver import ParamServer
 from pipeline.problem_sets import write_data
 from pipeline.run import Run, base_server
 from tests.runs import tiny_config
+from tpu_jobs.generate.interface import SamplingParams
 from tpu_jobs.generate.sample_verify import ROLLOUT_STREAM, sample_keys
 from tpu_jobs.generate.vllm_sampler import DEFAULT_PYTHON, VllmSampler
 from tpu_jobs.model import hf_checkpoint
@@ -94,7 +95,10 @@ def hf_logprobs(tmp_path, model, rows, temperature=1.0):
 def generate(sampler, model, prompts, seed=0, temperature=1.0, new=24):
     keys = sample_keys(seed, ROLLOUT_STREAM, 0, 0, len(prompts), 1)
     return sampler.generate(
-        model, prompts, keys, max_new_tokens=new, temperature=temperature, dtype="float32"
+        model,
+        prompts,
+        keys,
+        SamplingParams(max_new_tokens=new, temperature=temperature, dtype="float32"),
     )
 
 

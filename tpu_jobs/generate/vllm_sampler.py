@@ -55,8 +55,10 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from pipeline.net import free_port
+from tpu_jobs.generate.interface import SampleResult, SamplingParams
 from tpu_jobs.generate.kv_pages import page_bytes
-from tpu_jobs.generate.static import SampleResult, check_sampling_args, key_data, same_arrays
+from tpu_jobs.generate.token_draw import key_data
+from tpu_jobs.generate.weight_copies import same_arrays
 from tpu_jobs.model import hf_checkpoint
 from tpu_jobs.model.transformer import flat_params
 
@@ -222,7 +224,7 @@ def row_seed(key_data: np.ndarray) -> int:
 
 
 class VllmSampler:
-    """`generate(model, prompts, keys, ...)` by a vLLM server (module docstring).
+    """`generate(model, prompts, keys, params)` by a vLLM server (module docstring).
 
     `model`: the run's ModelConfig (the exported architecture); `dtype`: vLLM's compute
     dtype, fixed when the server starts; `max_slots`: its `--max-num-seqs`;
@@ -326,15 +328,10 @@ class VllmSampler:
         model: nnx.Module,
         prompts: Sequence[Sequence[int]],
         keys: jax.Array,
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        dtype: str = "float32",
+        params: SamplingParams,
     ) -> SampleResult:
         """One completion per prompt (token ids, BOS included), row r seeded by keys[r]."""
-        check_sampling_args(max_new_tokens, temperature, top_k, top_p, dtype)
+        max_new_tokens, dtype = params.max_new_tokens, params.dtype
         if dtype != self.dtype:
             raise ValueError(
                 f"dtype={dtype!r} is invalid for this vLLM server, which computes in "
@@ -357,9 +354,9 @@ class VllmSampler:
         params = {
             "model": SERVED_NAME,
             "max_tokens": max_new_tokens,
-            "temperature": float(temperature),
-            "top_k": int(top_k),
-            "top_p": float(top_p),
+            "temperature": float(params.temperature),
+            "top_k": int(params.top_k),
+            "top_p": float(params.top_p),
             "stop_token_ids": [self.eos_id],
             "logprobs": 0,  # the sampled token's log-prob only
             "return_token_ids": True,
