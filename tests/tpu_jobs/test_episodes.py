@@ -215,7 +215,7 @@ def test_a_resumed_turn_equals_a_fresh_prefill_of_the_whole_history(model, engin
             stops = env.stop_strings
             fresh.append(Request(history, ks[r], limit, stop_strings=stops, first_step=first))
             expected.append((ep.completion_ids[start:end], ep.logprobs[start:end]))
-    out = engine.run(model, fresh, temperature=1.0)  # one call: one prefill program
+    out = engine.run(model, fresh)  # one call: one prefill program (temperature 1: the default)
     for got, (tokens, logprobs) in zip(out, expected, strict=True):
         assert got.tokens == tokens
         np.testing.assert_allclose(got.logprobs, logprobs, atol=1e-5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 
 import jax
+import numpy as np
 import pytest
 
 from pipeline.paramserver import ParamServer
@@ -20,7 +21,7 @@ from tests.runs import tiny_config
 from tpu_jobs import pass_rates as pr
 from tpu_jobs.evaluator import Evaluator
 from tpu_jobs.generate import policy, registry
-from tpu_jobs.generate.engine import Engine
+from tpu_jobs.generate.engine import Engine, Request
 from tpu_jobs.generate.interface import (
     ROLES,
     Sampler,
@@ -159,3 +160,12 @@ def test_load_policy_loads_the_version_and_refuses_unknown_roles(run):
         assert jax.numpy.array_equal(value, snap.tensors[name]), name
     with pytest.raises(ValueError, match=r"role='judge' is invalid; allowed: 'rollout', 'eval'"):
         policy.load_policy(run, "judge")
+
+
+def test_the_engine_refuses_a_request_longer_than_its_params():
+    cfg = tiny_config()
+    eng, model = Engine(cfg.model, max_slots=4), init_model(cfg.model, 0)
+    key = np.zeros(2, np.uint32)
+    requests = [Request([1, 2], key, 4), Request([1, 2], key, 9)]
+    with pytest.raises(ValueError, match=r"request 1: max_new_tokens=9 is invalid; allowed: <= "):
+        eng.run(model, requests, SamplingParams(max_new_tokens=8))

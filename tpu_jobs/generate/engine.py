@@ -514,12 +514,7 @@ class Engine:
         max_new_tokens = params.max_new_tokens
         data = np.asarray(jax.random.key_data(as_keys(keys, n)))
         done = self.run(
-            model,
-            [Request(p, data[i], max_new_tokens) for i, p in enumerate(prompts)],
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            dtype=params.dtype,
+            model, [Request(p, data[i], max_new_tokens) for i, p in enumerate(prompts)], params
         )
         tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
         logprobs = np.zeros((n, max_new_tokens), np.float32)
@@ -594,17 +589,27 @@ class Engine:
         self,
         model: Transformer,
         requests: Sequence[Request | Resume],
-        *,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        dtype: str = "float32",
+        params: SamplingParams | None = None,
     ) -> list[Completion]:
-        """Serve `requests` to the end; one Completion per request, in order."""
+        """Serve `requests` to the end, sampling with `params` (None: the defaults); one
+        Completion per request, in order. Each request's own `max_new_tokens` is its limit
+        (a tool episode's turn: what is left of the episode), at most `params.max_new_tokens`."""
         if not requests:
             return []
-        # Refuses what no sampler takes, as `generate` does (each request its own limit).
-        SamplingParams(min(r.max_new_tokens for r in requests), temperature, top_k, top_p, dtype)
+        longest = max(r.max_new_tokens for r in requests)
+        params = params or SamplingParams(max(longest, 1))
+        if longest > params.max_new_tokens:
+            i = next(i for i, r in enumerate(requests) if r.max_new_tokens == longest)
+            raise ValueError(
+                f"request {i}: max_new_tokens={longest} is invalid; allowed: <= "
+                f"params.max_new_tokens={params.max_new_tokens}"
+            )
+        temperature, top_k, top_p, dtype = (
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.dtype,
+        )
         seqs = self._seqs(requests, dtype)
         graphdef, state = self._state(model, dtype)
         self._run = dict(

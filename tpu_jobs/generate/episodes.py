@@ -230,15 +230,7 @@ def _turns(engine, model, requests, rows, eps, parked, tok, cfg, stops, times, p
     """Sample one turn of each row; record it; the (row, turn text) of the turns the
     environment must read (ended on a stop string, turns left)."""
     t0 = time.perf_counter()
-    # Each request carries its own token limit (the turn's room); the rest is params'.
-    outs = engine.run(
-        model,
-        requests,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        dtype=params.dtype,
-    )
+    outs = engine.run(model, requests, params)  # each request: its turn's room
     times.generate_s += time.perf_counter() - t0
     times.rounds += 1
     ended: list[tuple[int, str]] = []
