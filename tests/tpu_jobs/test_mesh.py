@@ -81,6 +81,7 @@ from pipeline.config import ModelConfig
 from tpu_jobs.model import mesh as M
 from tpu_jobs.model.transformer import init_model
 from tpu_jobs.generate.static_sampler import StaticSampler
+from tpu_jobs.generate.interface import SamplingParams
 from tpu_jobs.model.state import split_model
 
 assert jax.device_count() == 8, jax.devices()
@@ -141,9 +142,9 @@ sharded_model = M.shard_model(init_model(cfg, 1), mesh)
 for layout in ("token_major", "feature_major"):
     sh_s = StaticSampler(cfg, eos_id=-1, mesh=mesh, decode_layout=layout)
     for name, temp, n in (("sample", 1.0, 8), ("greedy", 0.0, 8)):
-        a = ref_s.generate(model, prompts[:n], keys[:n], max_new_tokens=12, temperature=temp)
-        b = sh_s.generate(sharded_model, prompts[:n], keys[:n], max_new_tokens=12,
-                          temperature=temp)
+        params = SamplingParams(max_new_tokens=12, temperature=temp)
+        a = ref_s.generate(model, prompts[:n], keys[:n], params)
+        b = sh_s.generate(sharded_model, prompts[:n], keys[:n], params)
         out[f"{layout}/{name}"] = {"tokens_equal": bool(np.array_equal(a.tokens, b.tokens)),
                                    "logprob_diff": float(np.abs(a.logprobs - b.logprobs).max()),
                                    "distinct": int(len(np.unique(a.tokens)))}

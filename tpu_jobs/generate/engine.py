@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from pipeline.config import ModelConfig
-from tpu_jobs.generate.interface import SampleResult, SamplingParams
+from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
 from tpu_jobs.generate.kv_pages import (
     PAGED_ATTENTION,
     PagedKV,
@@ -508,9 +508,7 @@ class Engine:
         params: SamplingParams,
     ) -> SampleResult:
         """The `tpu_jobs.generate.interface.Sampler` contract, through `run`."""
-        n = len(prompts)
-        if n == 0 or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        n = check_prompts(prompts)
         max_new_tokens = params.max_new_tokens
         data = np.asarray(jax.random.key_data(as_keys(keys, n)))
         done = self.run(

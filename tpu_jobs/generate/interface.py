@@ -23,7 +23,7 @@ it and `sampling_params` enforces it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
@@ -94,6 +94,14 @@ class Sampler(Protocol):
         keys: jax.Array,
         params: SamplingParams,
     ) -> SampleResult: ...
+
+
+def check_prompts(prompts: Sequence[Sequence[int]]) -> int:
+    """The number of prompts, refusing no prompts or an empty one (every sampler's contract:
+    a row starts from at least one token, BOS)."""
+    if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    return len(prompts)
 
 
 def _rollout(cfg: RunConfig) -> SamplingParams:

@@ -39,7 +39,7 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS, DecodeLayout, default_layout
-from tpu_jobs.generate.interface import SampleResult, SamplingParams
+from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
 from tpu_jobs.generate.token_draw import NOISE_BUDGET, as_keys, sample_step, step_noise
 from tpu_jobs.generate.weight_copies import cast_state, same_arrays
 from tpu_jobs.model import mesh as meshlib
@@ -325,9 +325,7 @@ class StaticSampler:
         params: SamplingParams,
     ) -> SampleResult:
         """Sample up to `params.max_new_tokens` tokens after each prompt (SampleResult)."""
-        n = len(prompts)
-        if n == 0 or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        n = check_prompts(prompts)
         max_new_tokens, temperature, dtype = params.max_new_tokens, params.temperature, params.dtype
         top_k, top_p = params.top_k, params.top_p
         typed_keys = as_keys(keys, n)
