@@ -293,6 +293,8 @@ class SamplerConfig:
     run needs trainer.old_logprobs=recompute and an IS correction (RunConfig checks).
     """
 
+    # Each role's settings come from here by tpu_jobs.generate.interface.sampling_params; the
+    # evaluator samples at eval.temperature without top_k / top_p (docs/evaluation.md).
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
