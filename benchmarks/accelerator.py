@@ -36,7 +36,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pipeline.config import load_config  # noqa: E402
-from tpu_jobs.generate.static import Sampler  # noqa: E402
+from tpu_jobs.generate.interface import SamplingParams  # noqa: E402
+from tpu_jobs.generate.static_sampler import StaticSampler  # noqa: E402
 from tpu_jobs.learning.memory import QWEN25, qwen25_overrides  # noqa: E402
 from tpu_jobs.learning.step import Learner, StepInputs  # noqa: E402
 from tpu_jobs.model.transformer import init_model, param_count  # noqa: E402
@@ -118,7 +119,7 @@ def trainer_row(shape: str, rows: int, seq: int, steps: int, backend: str) -> di
 def sampler_row(shape: str, batch: int, new: int, repeats: int) -> dict:
     cfg = load_config(None, [*qwen25_overrides(shape), f"model.max_seq_len={PROMPT + new}"])
     model = init_model(cfg.model, 0)
-    sampler = Sampler(cfg.model, eos_id=-1)  # -1 is never sampled: every row runs `new`
+    sampler = StaticSampler(cfg.model, eos_id=-1)  # -1 is never sampled: every row runs `new`
     rng = np.random.default_rng(0)
     vocab = cfg.model.vocab_size
     prompts = [rng.integers(4, vocab, PROMPT).tolist() for _ in range(batch)]
@@ -126,7 +127,9 @@ def sampler_row(shape: str, batch: int, new: int, repeats: int) -> dict:
     def run(seed: int) -> float:
         keys = jax.random.split(jax.random.key(seed), batch)
         t0 = time.perf_counter()
-        out = sampler.generate(model, prompts, keys, max_new_tokens=new, dtype="bfloat16")
+        out = sampler.generate(
+            model, prompts, keys, SamplingParams(max_new_tokens=new, dtype="bfloat16")
+        )
         wall = time.perf_counter() - t0
         assert int(out.lengths.sum()) == batch * new, "a row stopped early"
         return wall

@@ -36,7 +36,7 @@ from pipeline.problem_sets import write_data
 from pipeline.run import Run, base_server
 from pipeline.tokenizer.run import run_tokenizer
 from tpu_jobs.evaluator import Evaluator
-from tpu_jobs.generate.static import Sampler
+from tpu_jobs.generate.static_sampler import StaticSampler
 from tpu_jobs.learning.step import Learner
 from tpu_jobs.model.transformer import load_flat_params, param_count
 from tpu_jobs.rollout_worker import RolloutWorker
@@ -103,7 +103,7 @@ class Shared:
 
     def __init__(self, base: Run) -> None:
         tok = run_tokenizer(base)
-        self.sampler = Sampler(base.config.model, pad_id=tok.pad_id, eos_id=tok.eos_id)
+        self.sampler = StaticSampler(base.config.model, pad_id=tok.pad_id, eos_id=tok.eos_id)
         self.v0_eval: dict[str, Any] | None = None
 
 

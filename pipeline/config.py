@@ -221,7 +221,7 @@ class SFTConfig:
 
 # sampler.engine -> what generates (tpu_jobs.generate.registry.SAMPLERS): "jax" the
 # continuous-batching engine (tpu_jobs.generate.engine), "static" the one-batch reference sampler
-# (tpu_jobs.generate.static), "vllm" a vLLM server in its own virtualenv (tpu_jobs.generate.vllm_sampler).
+# (tpu_jobs.generate.static_sampler), "vllm" a vLLM server in its own virtualenv (tpu_jobs.generate.vllm_sampler).
 SAMPLER_ENGINES = ("jax", "static", "vllm")
 
 
@@ -243,6 +243,8 @@ class SamplerConfig:
     run needs trainer.old_logprobs=recompute and an IS correction (RunConfig checks).
     """
 
+    # Each role's settings come from here by tpu_jobs.generate.interface.sampling_params; the
+    # evaluator samples at eval.temperature without top_k / top_p (docs/evaluation.md).
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off

@@ -62,13 +62,11 @@ from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
 from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.tasks import get_task
 from pipeline.tasks.datasets import DATASETS, load_dataset
-from pipeline.tokenizer.run import run_tokenizer
 from tpu_jobs.generate.episodes import sample_rows
-from tpu_jobs.generate.registry import make_sampler
-from tpu_jobs.generate.sample_verify import EVAL_STREAM, sample_keys, sampler_mesh
-from tpu_jobs.model import mesh as meshlib
+from tpu_jobs.generate.interface import sampling_params
+from tpu_jobs.generate.policy import load_policy
+from tpu_jobs.generate.sample_verify import EVAL_STREAM, sample_keys
 from tpu_jobs.model.judge import load_orm, self_scores
-from tpu_jobs.model.transformer import init_model, load_flat_params
 
 JUDGE_THRESHOLD = 0.5  # a judge says "correct" when its score p(y)/(p(y)+p(n)) > this
 # Rerankers: metric prefix -> (per-sample score column, prefix of accuracy / auc metrics).
@@ -190,15 +188,14 @@ class Evaluator:
         self.cfg = run.config
         self.log = log
         self.ps = weights_server(run)
-        self.tok = run_tokenizer(run)
+        self.policy = load_policy(run, "eval", mesh=mesh)
+        self.tok, self.model, self.sampler = self.policy.tok, self.policy.model, self.policy.sampler
+        self.mesh = self.policy.mesh
         self.dataset = dataset
         if dataset is None:
             self.problems = run.read_problems("eval")[: self.cfg.eval.num_problems]
         else:
             self.problems = load_dataset(dataset)
-        self.mesh = mesh or sampler_mesh(self.cfg, "evaluator")
-        self.model = init_model(self.cfg.model, self.cfg.seed)
-        self.sampler = make_sampler(self.cfg, self.tok, self.mesh)
         ec = self.cfg.eval
         self.ks = tuple(sorted({int(k) for k in ks})) if ks else tuple(ec.ks)
         self.n = max(ec.num_samples, max(self.ks))
@@ -241,18 +238,11 @@ class Evaluator:
 
     def _sample_and_score(self, version: int, server: ParamServer) -> pa.Table:
         ec = self.cfg.eval
-        load_flat_params(self.model, server.pull(version).tensors)
-        if self.mesh is not None:
-            meshlib.shard_model(self.model, self.mesh)
+        self.policy.load(server.pull(version))
         n = self.n
         rows = [(pi, s) for pi in range(len(self.problems)) for s in range(n)]
         keys = sample_keys(self.cfg.seed, EVAL_STREAM, 0, 0, len(self.problems), n)
         problems = [self.problems[pi] for pi, _ in rows]
-        sampling = dict(
-            max_new_tokens=self.cfg.sampler.max_new_tokens,
-            temperature=ec.temperature,
-            dtype=self.cfg.sampler.dtype,
-        )
         scored = sample_rows(  # tool episodes when the run sets an environment
             self.sampler,
             self.model,
@@ -260,8 +250,10 @@ class Evaluator:
             self.cfg.environment,
             problems,
             keys,
+            # eval.temperature, without top-k / top-p: the evaluator's policy
+            # (tpu_jobs.generate.interface, docs/evaluation.md "Sampling settings").
+            sampling_params(self.cfg, "eval"),
             batch_size=ec.batch_size,
-            **sampling,
         )
         texts, completion_ids = scored.texts, scored.completion_ids
         rewards = scored.rewards.reshape(len(self.problems), n)

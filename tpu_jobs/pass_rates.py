@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -32,12 +33,10 @@ from pipeline.run import Run
 from pipeline.storage import glob, local_path, open_parent
 from pipeline.tasks import TASKS
 from pipeline.tasks.base import Problem
-from pipeline.tokenizer.run import run_tokenizer
 from tpu_jobs.generate.episodes import sample_rows
-from tpu_jobs.generate.registry import make_sampler
-from tpu_jobs.generate.sample_verify import PASS_RATE_STREAM, sample_keys, sampler_mesh
-from tpu_jobs.model import mesh as meshlib
-from tpu_jobs.model.transformer import init_model, load_flat_params
+from tpu_jobs.generate.interface import sampling_params
+from tpu_jobs.generate.policy import load_policy
+from tpu_jobs.generate.sample_verify import PASS_RATE_STREAM, sample_keys
 
 SCHEMA = pa.schema(
     [
@@ -99,28 +98,20 @@ def pass_rates(
     """Sample k completions per problem with one weight version and score them."""
     cfg = run.config
     snapshot = ParamServer(run.store).pull(version)
-    tok = run_tokenizer(run)
-    mesh = sampler_mesh(cfg, "pass-rate job")
-    model = init_model(cfg.model, cfg.seed)
-    load_flat_params(model, snapshot.tensors)
-    if mesh is not None:
-        meshlib.shard_model(model, mesh)
-    sampler = make_sampler(cfg, tok, mesh)
-    temperature = cfg.sampler.temperature if temperature is None else temperature
+    policy = load_policy(run, "pass_rates", snapshot=snapshot)
+    params = sampling_params(cfg, "pass_rates")
+    if temperature is not None:  # --temperature: the one setting this job may override
+        params = replace(params, temperature=temperature)
     batch_size = batch_size or cfg.eval.batch_size
     keys = sample_keys(cfg.seed, PASS_RATE_STREAM, snapshot.version, 0, len(problems), k)
     scored = sample_rows(  # tool episodes when the run sets an environment
-        sampler,
-        model,
-        tok,
+        policy.sampler,
+        policy.model,
+        policy.tok,
         cfg.environment,
         [p for p in problems for _ in range(k)],
         keys,
-        max_new_tokens=cfg.sampler.max_new_tokens,
-        temperature=temperature,
-        top_k=cfg.sampler.top_k,
-        top_p=cfg.sampler.top_p,
-        dtype=cfg.sampler.dtype,
+        params,
         batch_size=batch_size,
         on_batch=lambda done, total: log(
             f"[pass-rates] v{snapshot.version}: {done}/{total} samples"

@@ -62,19 +62,12 @@ from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
 from pipeline.run import DONE_KEY, Run, weights_server
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks.judge import judge_context, judge_reward
-from pipeline.tokenizer.run import run_tokenizer
 from tpu_jobs.generate.episodes import sample_rows
-from tpu_jobs.generate.registry import make_sampler
-from tpu_jobs.generate.sample_verify import (
-    JUDGE_STREAM,
-    ROLLOUT_STREAM,
-    sample_keys,
-    sampler_mesh,
-)
+from tpu_jobs.generate.interface import sampling_params
+from tpu_jobs.generate.policy import load_policy
+from tpu_jobs.generate.sample_verify import JUDGE_STREAM, ROLLOUT_STREAM, sample_keys
 from tpu_jobs.learning.losses import filter_constant_groups, overlong_penalty
-from tpu_jobs.model import mesh as meshlib
-from tpu_jobs.model.judge import VERDICT_MAX_TOKENS, suffix_ids
-from tpu_jobs.model.transformer import init_model, load_flat_params
+from tpu_jobs.model.judge import suffix_ids
 
 
 def pick_judged_in_round(
@@ -140,13 +133,12 @@ class RolloutWorker:
         self.log = log
         self.ps = weights_server(run)
         self.leases = BatchLeases(run.store, ttl_seconds=self.cfg.rollout.lease_seconds)
-        self.tok = run_tokenizer(run)
+        self.policy = load_policy(run, "rollout", mesh=mesh)
+        self.tok, self.model, self.sampler = self.policy.tok, self.policy.model, self.policy.sampler
+        self.mesh = self.policy.mesh
         self.problems = run.read_problems("train")
         # The data job checked the built-in tokenizers; an imported one only exists now.
         check_representable(self.problems, self.tok, run.config.model.tokenizer, "train set")
-        self.mesh = mesh or sampler_mesh(self.cfg, "rollout worker")
-        self.model = init_model(self.cfg.model, self.cfg.seed)
-        self.sampler = make_sampler(self.cfg, self.tok, self.mesh)
         self.env = make_environment(self.cfg.environment)
         self.version: int | None = None
         # The snapshot of `version` as pulled: the next version is rebuilt from it with
@@ -179,9 +171,7 @@ class RolloutWorker:
             )
             return False
         self._refused, self._refusals = None, 0
-        load_flat_params(self.model, snap.tensors)
-        if self.mesh is not None:  # place the weights once, not per generate call
-            meshlib.shard_model(self.model, self.mesh)
+        self.policy.load(snap)
         self.version, self.held = version, snap
         return True
 
@@ -198,13 +188,6 @@ class RolloutWorker:
         problems = [self.problems[i] for i in idx]
         rows = [q for q in problems for _ in range(g)]
         keys = sample_keys(cfg.seed, ROLLOUT_STREAM, index, rnd * p, p, g)
-        sampling = dict(
-            max_new_tokens=cfg.sampler.max_new_tokens,
-            temperature=cfg.sampler.temperature,
-            top_k=cfg.sampler.top_k,
-            top_p=cfg.sampler.top_p,
-            dtype=cfg.sampler.dtype,
-        )
         scored = sample_rows(  # tool episodes when the run sets an environment
             self.sampler,
             self.model,
@@ -212,9 +195,9 @@ class RolloutWorker:
             cfg.environment,
             rows,
             keys,
+            sampling_params(cfg, "rollout"),
             env=self.env,
             batch_size=-(-p * g // cfg.rollout.sample_chunks),
-            **sampling,
         )
         completions, texts, logps = scored.completion_ids, scored.texts, scored.logprobs
         rewards = scored.rewards
@@ -255,11 +238,7 @@ class RolloutWorker:
             self.model,
             [pr for pr in prompts for _ in range(g)],
             sample_keys(cfg.seed, JUDGE_STREAM, index, 0, n_judge, g),
-            max_new_tokens=VERDICT_MAX_TOKENS,
-            temperature=cfg.sampler.temperature,
-            top_k=cfg.sampler.top_k,
-            top_p=cfg.sampler.top_p,
-            dtype=cfg.sampler.dtype,
+            sampling_params(cfg, "judge"),  # rollouts too: the solve groups' settings
         )
         cols: dict[str, list[Any]] = {
             k: [] for k in ("pos", "prob", "pr", "co", "tx", "lp", "rw", "fin", "mask")

@@ -1,4 +1,4 @@
-"""Decode layouts (tpu_jobs.generate.decode): the feature-major step equals the model's own
+"""Decode layouts (tpu_jobs.generate.decode_layouts): the feature-major step equals the model's own
 token-major forward on every model variant, and the sampler prepares its weights once
 per weight version."""
 
@@ -12,8 +12,9 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from tests.tpu_jobs.random_weights import random_model
-from tpu_jobs.generate.decode import DECODE_LAYOUTS, default_layout
-from tpu_jobs.generate.static import Sampler
+from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS, default_layout
+from tpu_jobs.generate.interface import SamplingParams
+from tpu_jobs.generate.static_sampler import StaticSampler
 from tpu_jobs.model.transformer import (
     flat_params,
     init_cache,
@@ -80,33 +81,33 @@ def test_default_layout_and_bad_names():
     assert default_layout("cpu", 128) == "token_major"
     assert default_layout("gpu", 768) == default_layout("tpu", 4096) == "token_major"
     big = ModelConfig(preset="100m")
-    assert Sampler(big).decode_layout == default_layout(jax.default_backend(), 768)
+    assert StaticSampler(big).decode_layout == default_layout(jax.default_backend(), 768)
     with pytest.raises(ValueError, match="decode_layout='column'.*'feature_major'"):
-        Sampler(VARIANTS["llama"], decode_layout="column")
+        StaticSampler(VARIANTS["llama"], decode_layout="column")
 
 
 def test_weights_prepared_once_per_weight_version():
     cfg = VARIANTS["qwen2_untied"]
     model = random_model(cfg, seed=2)
-    sampler = Sampler(cfg, eos_id=-1, decode_layout="feature_major")
+    sampler = StaticSampler(cfg, eos_id=-1, decode_layout="feature_major")
     keys = jax.random.split(jax.random.key(0), 2)
     prompts = [[1, 5, 6], [1, 9]]
-    a = sampler.generate(model, prompts, keys, max_new_tokens=6)
+    a = sampler.generate(model, prompts, keys, SamplingParams(max_new_tokens=6))
     prepared = sampler._prepared[2]
     assert prepared[0] is None  # float32: the state as given, no cast copy
     head = np.asarray(prepared[1]["head"])
     np.testing.assert_array_equal(head, np.asarray(model.lm_head.kernel[...]).T)
-    sampler.generate(model, prompts, keys, max_new_tokens=6)
+    sampler.generate(model, prompts, keys, SamplingParams(max_new_tokens=6))
     assert sampler._prepared[2] is prepared  # same weights: reused
     load_flat_params(model, flat_params(random_model(cfg, seed=3)))  # in place, new arrays
-    b = sampler.generate(model, prompts, keys, max_new_tokens=6)
+    b = sampler.generate(model, prompts, keys, SamplingParams(max_new_tokens=6))
     assert sampler._prepared[2] is not prepared
-    fresh = Sampler(cfg, eos_id=-1, decode_layout="feature_major")
+    fresh = StaticSampler(cfg, eos_id=-1, decode_layout="feature_major")
     np.testing.assert_array_equal(
-        b.tokens, fresh.generate(model, prompts, keys, max_new_tokens=6).tokens
+        b.tokens, fresh.generate(model, prompts, keys, SamplingParams(max_new_tokens=6)).tokens
     )
     assert not np.array_equal(a.tokens, b.tokens)
-    sampler.generate(model, prompts, keys, max_new_tokens=6, dtype="bfloat16")
+    sampler.generate(model, prompts, keys, SamplingParams(max_new_tokens=6, dtype="bfloat16"))
     cast, weights = sampler._prepared[2]  # another dtype: prepared anew, the state cast once
     assert weights["head"].dtype == jnp.bfloat16
     assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}

@@ -14,8 +14,9 @@ import pytest
 
 from tests.tpu_jobs.test_sampler import CFG, EOS, PAD, PROMPTS, TRIGGERS, keys_for, random_model
 from tpu_jobs.generate.engine import Engine, Request, Resume
+from tpu_jobs.generate.interface import SamplingParams
 from tpu_jobs.generate.kv_pages import PagePool, PoolExhausted
-from tpu_jobs.generate.static import Sampler
+from tpu_jobs.generate.static_sampler import StaticSampler
 from tpu_jobs.generate.vllm_sampler import VllmSampler
 from tpu_jobs.model.transformer import init_model
 
@@ -48,9 +49,12 @@ def keys():
 @pytest.fixture(scope="module")
 def reference(model, keys):
     """The static sampler's batch at each temperature (one compiled program)."""
-    sampler = Sampler(CFG, pad_id=PAD, eos_id=EOS, decode_layout="token_major")
+    sampler = StaticSampler(CFG, pad_id=PAD, eos_id=EOS, decode_layout="token_major")
     return {
-        t: sampler.generate(model, ROWS, keys, max_new_tokens=MAX_NEW, temperature=t) for t in TEMPS
+        t: sampler.generate(
+            model, ROWS, keys, SamplingParams(max_new_tokens=MAX_NEW, temperature=t)
+        )
+        for t in TEMPS
     }
 
 
@@ -67,7 +71,8 @@ def test_engine_equals_static_sampler_on_the_same_keys(model, keys, reference):
     eng = engine()
     for t in TEMPS:
         assert_same(
-            eng.generate(model, ROWS, keys, max_new_tokens=MAX_NEW, temperature=t), reference[t]
+            eng.generate(model, ROWS, keys, SamplingParams(max_new_tokens=MAX_NEW, temperature=t)),
+            reference[t],
         )
     assert eng.pool.in_use == 0  # every page back at the end
 
@@ -78,7 +83,7 @@ def test_refill_never_mixes_rows_and_groups_prefill_once(model, keys, reference)
     eng = engine()
     order = np.random.default_rng(0).permutation(len(ROWS))
     rows = [ROWS[i] for i in order]
-    out = eng.generate(model, rows, keys[order], max_new_tokens=MAX_NEW)
+    out = eng.generate(model, rows, keys[order], SamplingParams(max_new_tokens=MAX_NEW))
     assert_same(out, reference[1.0], order)
     assert eng.stats["chunks"] >= 8  # refilled many times
     assert eng.stats["sampled_tokens"] == int(reference[1.0].lengths.sum())
@@ -90,7 +95,7 @@ def test_refill_never_mixes_rows_and_groups_prefill_once(model, keys, reference)
 
 def test_shared_prefix_rows_equal_independent_rows(model, keys, reference):
     eng = engine()
-    group = eng.generate(model, ROWS[16:], keys[16:], max_new_tokens=MAX_NEW)
+    group = eng.generate(model, ROWS[16:], keys[16:], SamplingParams(max_new_tokens=MAX_NEW))
     assert_same(group, reference[1.0], slice(16, None))  # the static rows are independent
     assert eng.stats["prefill_rows"] == 1
     # The prompt's full page is held once for the 4 rows (plus each row's own pages).
@@ -102,7 +107,9 @@ def test_preempted_rows_recompute_the_same_tokens(model, keys, reference):
     """A budget too small for 4 rows of full length: the newest rows are preempted (their
     pages freed) and later recomputed from their history."""
     eng = engine()
-    assert_same(eng.generate(model, ROWS, keys, max_new_tokens=MAX_NEW), reference[1.0])
+    assert_same(
+        eng.generate(model, ROWS, keys, SamplingParams(max_new_tokens=MAX_NEW)), reference[1.0]
+    )
     assert eng.stats["preemptions"] >= 1
     assert eng.stats["peak_pages"] <= 12 and eng.pool.in_use == 0
 
@@ -196,7 +203,9 @@ def test_sampler_engine_setting_picks_the_sampler():
     eng = make_sampler(cfg, tok)  # the default
     assert isinstance(eng, Engine) and (eng.max_slots, eng.num_pages) == (8, 512)
     assert eng.eos_id == tok.eos_id and eng.detokenize == tok.decode
-    assert isinstance(make_sampler(load_config(None, ["sampler.engine=static"]), tok), Sampler)
+    assert isinstance(
+        make_sampler(load_config(None, ["sampler.engine=static"]), tok), StaticSampler
+    )
     with pytest.raises(ConfigError, match="sampler.engine.*'jax', 'static'"):
         load_config(None, ["sampler.engine=sglang"])
     # vllm: configured here, started (from its own virtualenv) by the first generate.
@@ -219,9 +228,9 @@ def test_sampler_engine_setting_picks_the_sampler():
     model = init_model(vllm.model_cfg, 0)
     keys = jax.random.split(jax.random.key(0), 1)
     with pytest.raises(ValueError, match="dtype='bfloat16' is invalid.*allowed: 'float32'"):
-        vllm.generate(model, [[1, 5]], keys, max_new_tokens=4, dtype="bfloat16")
+        vllm.generate(model, [[1, 5]], keys, SamplingParams(max_new_tokens=4, dtype="bfloat16"))
     with pytest.raises(ValueError, match="prompt 0 has 3 tokens.*model.max_seq_len=256"):
-        vllm.generate(model, [[1, 5, 6]], keys, max_new_tokens=254)
+        vllm.generate(model, [[1, 5, 6]], keys, SamplingParams(max_new_tokens=254))
     with pytest.raises(FileNotFoundError, match="make .venv-vllm/.installed"):
-        vllm.generate(model, [[1, 5]], keys, max_new_tokens=4)
+        vllm.generate(model, [[1, 5]], keys, SamplingParams(max_new_tokens=4))
     vllm.close()

@@ -27,6 +27,7 @@ from pipeline.tokenizer import get_tokenizer
 from pipeline.tool_calls import CALL_CLOSE, CALL_OPEN, OUTPUT_CLOSE, OUTPUT_OPEN
 from tpu_jobs.generate.engine import Engine, Request
 from tpu_jobs.generate.episodes import run_episodes, sample_episodes_and_verify
+from tpu_jobs.generate.interface import SamplingParams
 from tpu_jobs.model.transformer import init_model
 
 _FORBIDDEN = userns_forbidden()
@@ -118,7 +119,14 @@ def keys(n: int, seed: int = 3) -> jax.Array:
 def test_an_episode_with_tool_calls_round_trips_through_the_rollout_format(model, engine):
     env = make_environment(ENV)
     scored = sample_episodes_and_verify(
-        engine, model, TOK, env, ENV, [PROBLEM] * 2, keys(2), max_new_tokens=40, temperature=0.0
+        engine,
+        model,
+        TOK,
+        env,
+        ENV,
+        [PROBLEM] * 2,
+        keys(2),
+        SamplingParams(max_new_tokens=40, temperature=0.0),
     )
     expected_ids = TOK.encode("".join(PIECES)) + [TOK.eos_id]
     for r in range(2):
@@ -187,7 +195,14 @@ def test_a_resumed_turn_equals_a_fresh_prefill_of_the_whole_history(model, engin
     prompt = TOK.encode_prompt(PROBLEM.prompt)
     ks = keys(4, seed=11)
     episodes, _ = run_episodes(
-        engine, model, env, TOK, [prompt] * 4, ks, ENV, max_turn_tokens=40, temperature=1.0
+        engine,
+        model,
+        env,
+        TOK,
+        [prompt] * 4,
+        ks,
+        ENV,
+        SamplingParams(max_new_tokens=40, temperature=1.0),
     )
     fresh, expected = [], []
     for r, ep in enumerate(episodes):
@@ -200,7 +215,7 @@ def test_a_resumed_turn_equals_a_fresh_prefill_of_the_whole_history(model, engin
             stops = env.stop_strings
             fresh.append(Request(history, ks[r], limit, stop_strings=stops, first_step=first))
             expected.append((ep.completion_ids[start:end], ep.logprobs[start:end]))
-    out = engine.run(model, fresh, temperature=1.0)  # one call: one prefill program
+    out = engine.run(model, fresh)  # one call: one prefill program (temperature 1: the default)
     for got, (tokens, logprobs) in zip(out, expected, strict=True):
         assert got.tokens == tokens
         np.testing.assert_allclose(got.logprobs, logprobs, atol=1e-5)
@@ -209,13 +224,10 @@ def test_a_resumed_turn_equals_a_fresh_prefill_of_the_whole_history(model, engin
 
 
 def test_the_loop_refuses_the_static_sampler(model):
-    from tpu_jobs.generate.static import Sampler
+    from tpu_jobs.generate.static_sampler import StaticSampler
 
     with pytest.raises(ValueError, match="sampler.engine='jax'"):
-        run_episodes(
-            Sampler(CFG), model, make_environment(ENV), TOK, [[1, 5]], keys(1), ENV,
-            max_turn_tokens=4, temperature=1.0,
-        )  # fmt: skip
+        run_episodes(StaticSampler(CFG), model, make_environment(ENV), TOK, [[1, 5]], keys(1), ENV, SamplingParams(max_new_tokens=4, temperature=1.0))  # fmt: skip
 
 
 WORKER_OVERRIDES = (

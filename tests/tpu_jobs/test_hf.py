@@ -21,8 +21,10 @@ from pipeline.tokenizer import get_tokenizer  # noqa: E402
 from pipeline.tokenizer import hf as hf_tokenizer  # noqa: E402
 from pipeline.tokenizer.run import load_run_tokenizer, run_tokenizer  # noqa: E402
 from tpu_jobs import hf  # noqa: E402
-from tpu_jobs.generate.decode import DECODE_LAYOUTS  # noqa: E402
-from tpu_jobs.generate.static import Sampler  # noqa: E402
+from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS  # noqa: E402
+from tpu_jobs.generate.interface import SamplingParams  # noqa: E402
+from tpu_jobs.generate.static_sampler import StaticSampler  # noqa: E402
+from tpu_jobs.model import hf_checkpoint  # noqa: E402
 from tpu_jobs.model.transformer import flat_params, positions_from_mask  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
@@ -107,7 +109,7 @@ def our_logits(model, tokens, mask) -> np.ndarray:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_match_transformers(checkpoints, family):
     hf_model, path = checkpoints[family]
-    model, cfg = hf.load_hf_model(path)
+    model, cfg = hf_checkpoint.load_hf_model(path)
     hcfg = hf_model.config
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (32, 2, 4, 2)
     assert cfg.head_dim == hcfg.head_dim if family == "qwen3" else cfg.head_dim == 8
@@ -125,7 +127,7 @@ def test_logits_match_transformers(checkpoints, family):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_generation_matches_transformers(checkpoints, family, layout):
     hf_model, path = checkpoints[family]
-    model, cfg = hf.load_hf_model(path)
+    model, cfg = hf_checkpoint.load_hf_model(path)
     prompts = [[1, 5, 9, 17], [1, 40, 41, 42, 43, 44, 45, 46], [1, 7]]
     width = max(map(len, prompts))
     ids = np.array([[0] * (width - len(p)) + p for p in prompts])
@@ -139,9 +141,9 @@ def test_greedy_generation_matches_transformers(checkpoints, family, layout):
             do_sample=False,
             pad_token_id=0,
         )[:, width:].numpy()
-    sampler = Sampler(cfg, pad_id=0, eos_id=-1, decode_layout=layout)
+    sampler = StaticSampler(cfg, pad_id=0, eos_id=-1, decode_layout=layout)
     keys = jax.random.split(jax.random.key(0), len(prompts))
-    out = sampler.generate(model, prompts, keys, max_new_tokens=32, temperature=0.0)
+    out = sampler.generate(model, prompts, keys, SamplingParams(max_new_tokens=32, temperature=0.0))
     assert ref.shape == (3, 32)
     np.testing.assert_array_equal(out.tokens, ref)
     assert len(set(ref.reshape(-1).tolist())) > 4  # not a constant sequence
@@ -150,13 +152,13 @@ def test_greedy_generation_matches_transformers(checkpoints, family, layout):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_export_reloads_in_transformers(checkpoints, family, tmp_path):
     _, path = checkpoints[family]
-    model, cfg = hf.load_hf_model(path)
+    model, cfg = hf_checkpoint.load_hf_model(path)
     flat = flat_params(model)
     rng = np.random.default_rng(1)  # change every weight so nothing is read from `path`
     flat = {
         k: (v + 0.05 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in flat.items()
     }
-    hf.export_hf(tmp_path / "out", cfg, flat)
+    hf_checkpoint.export_hf(tmp_path / "out", cfg, flat)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation="eager"
     ).eval()
@@ -167,53 +169,56 @@ def test_export_reloads_in_transformers(checkpoints, family, tmp_path):
     load_flat_params(model, flat)
     ref = hf_logits(reloaded, TOKENS, MASK)
     assert np.abs(our_logits(model, TOKENS, MASK) - ref)[MASK.astype(bool)].max() <= 1e-4
-    cfg2, flat2 = hf.load_hf_checkpoint(tmp_path / "out")  # and back: bit-identical
+    cfg2, flat2 = hf_checkpoint.load_hf_checkpoint(tmp_path / "out")  # and back: bit-identical
     assert cfg2 == cfg
     assert all(np.array_equal(flat[k], flat2[k]) for k in flat) and flat.keys() == flat2.keys()
 
 
 def test_untied_export_is_the_same_function(checkpoints, tmp_path):
-    """hf.untie_embeddings (the vLLM sampler's export): an LM head of its own, equal to
+    """hf_checkpoint.untie_embeddings (the vLLM sampler's export): an LM head of its own, equal to
     the embedding, gives transformers the tied model's logits."""
     _, path = checkpoints["qwen2"]  # tied
-    model, cfg = hf.load_hf_model(path)
-    ucfg, uflat = hf.untie_embeddings(cfg, flat_params(model))
+    model, cfg = hf_checkpoint.load_hf_model(path)
+    ucfg, uflat = hf_checkpoint.untie_embeddings(cfg, flat_params(model))
     assert cfg.tie_embeddings and not ucfg.tie_embeddings
     assert np.array_equal(uflat["lm_head.kernel"], uflat["embed_tokens.embedding"].T)
-    hf.export_hf(tmp_path / "untied", ucfg, uflat)
+    hf_checkpoint.export_hf(tmp_path / "untied", ucfg, uflat)
     assert not json.loads((tmp_path / "untied/config.json").read_text())["tie_word_embeddings"]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "untied", attn_implementation="eager"
     ).eval()
     ref = hf_logits(reloaded, TOKENS, MASK)
     assert np.abs(our_logits(model, TOKENS, MASK) - ref)[MASK.astype(bool)].max() <= 1e-4
-    assert hf.untie_embeddings(ucfg, uflat)[0] is ucfg  # untied already: unchanged
+    assert hf_checkpoint.untie_embeddings(ucfg, uflat)[0] is ucfg  # untied already: unchanged
 
 
 def test_sharded_checkpoints_and_bfloat16(checkpoints, tmp_path):
     hf_model, path = checkpoints["llama"]
     hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
-    assert (tmp_path / "sharded" / hf.INDEX_FILE).is_file()
+    assert (tmp_path / "sharded" / hf_checkpoint.INDEX_FILE).is_file()
     assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 2
-    cfg, whole = hf.load_hf_checkpoint(path)
-    _, sharded = hf.load_hf_checkpoint(tmp_path / "sharded")
+    cfg, whole = hf_checkpoint.load_hf_checkpoint(path)
+    _, sharded = hf_checkpoint.load_hf_checkpoint(tmp_path / "sharded")
     assert (
         all(np.array_equal(whole[k], sharded[k]) for k in whole) and whole.keys() == sharded.keys()
     )
     # Our own sharded export loads in transformers; bfloat16 export rounds like torch does.
-    hf.export_hf(tmp_path / "ours", cfg, whole, max_shard_bytes=30_000)
-    assert len(json.loads((tmp_path / "ours" / hf.INDEX_FILE).read_text())["weight_map"]) == 21
+    hf_checkpoint.export_hf(tmp_path / "ours", cfg, whole, max_shard_bytes=30_000)
+    assert (
+        len(json.loads((tmp_path / "ours" / hf_checkpoint.INDEX_FILE).read_text())["weight_map"])
+        == 21
+    )
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "ours", attn_implementation="eager"
     )
     np.testing.assert_array_equal(
         hf_logits(reloaded, TOKENS, MASK), hf_logits(hf_model, TOKENS, MASK)
     )
-    hf.export_hf(tmp_path / "bf16", cfg, whole, dtype="bfloat16")
+    hf_checkpoint.export_hf(tmp_path / "bf16", cfg, whole, dtype="bfloat16")
     bf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
     w = hf_model.model.layers[0].mlp.up_proj.weight.detach()
     assert torch.equal(bf.model.layers[0].mlp.up_proj.weight, w.to(torch.bfloat16))
-    _, back = hf.load_hf_checkpoint(tmp_path / "bf16")
+    _, back = hf_checkpoint.load_hf_checkpoint(tmp_path / "bf16")
     name = "layers.0.mlp.up_proj.kernel"
     np.testing.assert_array_equal(back[name], w.to(torch.bfloat16).float().numpy().T)
 
@@ -221,20 +226,22 @@ def test_sharded_checkpoints_and_bfloat16(checkpoints, tmp_path):
 def test_unsupported_and_mismatched_checkpoints(checkpoints, tmp_path):
     base = json.loads((checkpoints["llama"][1] / "config.json").read_text())
     with pytest.raises(hf.HFError, match="LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
-        hf.model_config_from_hf({**base, "architectures": ["GPT2LMHeadModel"]})
+        hf_checkpoint.model_config_from_hf({**base, "architectures": ["GPT2LMHeadModel"]})
     scaled = {**base, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}
     with pytest.raises(hf.HFError, match="rope type 'llama3' is not supported; supported: default"):
-        hf.model_config_from_hf(scaled)
+        hf_checkpoint.model_config_from_hf(scaled)
     with pytest.raises(hf.HFError, match="rope type 'linear'"):
-        hf.model_config_from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
+        hf_checkpoint.model_config_from_hf(
+            {**base, "rope_scaling": {"type": "linear", "factor": 2.0}}
+        )
     with pytest.raises(hf.HFError, match="hidden_act='gelu'"):
-        hf.model_config_from_hf({**base, "hidden_act": "gelu"})
-    cfg, flat = hf.load_hf_checkpoint(checkpoints["llama"][1])
-    tensors = hf.flat_to_hf(flat, cfg)
+        hf_checkpoint.model_config_from_hf({**base, "hidden_act": "gelu"})
+    cfg, flat = hf_checkpoint.load_hf_checkpoint(checkpoints["llama"][1])
+    tensors = hf_checkpoint.flat_to_hf(flat, cfg)
     del tensors["model.layers.1.mlp.up_proj.weight"]
     tensors["model.layers.0.self_attn.o_proj.bias"] = np.ones(32, np.float32)
     with pytest.raises(hf.HFError, match="o_proj.bias is non-zero"):
-        hf.hf_to_flat(tensors, cfg)
+        hf_checkpoint.hf_to_flat(tensors, cfg)
     tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(32, np.float32)  # accepted
     tensors["model.extra.weight"] = np.zeros(3, np.float32)
     with pytest.raises(
@@ -242,11 +249,11 @@ def test_unsupported_and_mismatched_checkpoints(checkpoints, tmp_path):
         match=r"missing \['model.layers.1.mlp.up_proj.weight'\].*"
         r"unexpected \['model.extra.weight'\]",
     ):
-        hf.hf_to_flat(tensors, cfg)
+        hf_checkpoint.hf_to_flat(tensors, cfg)
     with pytest.raises(hf.HFError, match="no weights in"):
-        hf.load_hf_tensors(tmp_path)
+        hf_checkpoint.load_hf_tensors(tmp_path)
     with pytest.raises(hf.HFError, match="cannot export as Qwen2ForCausalLM"):
-        hf.hf_config_from_model(ModelConfig(), family="Qwen2ForCausalLM")
+        hf_checkpoint.hf_config_from_model(ModelConfig(), family="Qwen2ForCausalLM")
 
 
 def test_safetensors_reader_matches_library(tmp_path):
@@ -254,11 +261,13 @@ def test_safetensors_reader_matches_library(tmp_path):
 
     t = {"a": torch.randn(3, 5), "b": torch.randn(4).to(torch.bfloat16), "c": torch.arange(6)}
     save_file(t, tmp_path / "x.safetensors")
-    got = hf.read_safetensors(tmp_path / "x.safetensors")
+    got = hf_checkpoint.read_safetensors(tmp_path / "x.safetensors")
     assert got.keys() == t.keys()
     for k, v in t.items():
         np.testing.assert_array_equal(np.asarray(got[k], np.float64), v.double().numpy())
-    hf.write_safetensors(tmp_path / "y.safetensors", {k: np.asarray(v) for k, v in got.items()})
+    hf_checkpoint.write_safetensors(
+        tmp_path / "y.safetensors", {k: np.asarray(v) for k, v in got.items()}
+    )
     from safetensors.torch import load_file
 
     back = load_file(tmp_path / "y.safetensors")
@@ -345,7 +354,7 @@ def test_cli_import_into_new_run_then_export(checkpoints, tmp_path):
     assert run.config.trainer.lr == 1e-5 and run.has_problems("train")
     snap = base_server(run).pull(0)
     assert snap.metadata["architecture"] == "Qwen3ForCausalLM"
-    _, expected = hf.load_hf_checkpoint(path)
+    _, expected = hf_checkpoint.load_hf_checkpoint(path)
     assert all(np.array_equal(snap.tensors[k], expected[k]) for k in expected)
     # The trainer's load path: flat tensors into a fresh model of the run's config.
     fns, params = new_model(run.config.model, 0)
@@ -376,7 +385,7 @@ def test_cli_import_into_new_run_then_export(checkpoints, tmp_path):
     )
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert hf.main(["export", "--run", run_url, "--base", "--out", str(tmp_path / "b")]) == 0
-    _, base_again = hf.load_hf_checkpoint(tmp_path / "b")
+    _, base_again = hf_checkpoint.load_hf_checkpoint(tmp_path / "b")
     assert all(np.array_equal(base_again[k], expected[k]) for k in expected)
 
     # A run of another architecture refuses the import, naming the differing fields.

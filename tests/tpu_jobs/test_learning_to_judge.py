@@ -22,7 +22,7 @@ from pipeline.tasks.judge import JUDGE_SUFFIX, judge_reward
 from pipeline.tokenizer import get_tokenizer
 from tests.runs import clone_run, tiny_config
 from tpu_jobs import rollout_worker as rw
-from tpu_jobs.generate.static import SampleResult
+from tpu_jobs.generate.interface import SampleResult
 from tpu_jobs.learning.step import Learner
 from tpu_jobs.model.batching import round_up
 from tpu_jobs.model.judge import VERDICT_MAX_TOKENS, judged_completion_len, suffix_ids
@@ -140,7 +140,8 @@ class ForcedVerdicts:
     def __init__(self):
         self.calls = []
 
-    def generate(self, model, prompts, keys, *, max_new_tokens, **kw):
+    def generate(self, model, prompts, keys, params):
+        max_new_tokens = params.max_new_tokens
         self.calls.append((prompts, np.asarray(jax.random.key_data(keys)), max_new_tokens))
         n = len(prompts)
         tokens = np.zeros((n, max_new_tokens), np.int32)

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from pipeline.config import ModelConfig
-from tpu_jobs.generate.static import Sampler, prefill
+from tpu_jobs.generate.interface import SamplingParams
+from tpu_jobs.generate.static_sampler import StaticSampler, prefill
 from tpu_jobs.learning.value_head import init_value_head, policy_forward
 from tpu_jobs.model.lm_head import token_logprobs
 from tpu_jobs.model.transformer import init_cache, positions_from_mask, sequence_logprobs
@@ -175,8 +176,8 @@ def test_sampled_tokens_for_fixed_keys_equal_a_full_forward_reference():
     prompts = [[1, 5, 9, 13], [1, 7], [1, 20, 30, 40, 50, 21]]
     keys = jax.random.split(jax.random.key(7), 3)
     temp, new = 0.9, 8
-    out = Sampler(cfg, pad_id=0, eos_id=2, decode_layout="token_major").generate(
-        model, prompts, keys, max_new_tokens=new, temperature=temp
+    out = StaticSampler(cfg, pad_id=0, eos_id=2, decode_layout="token_major").generate(
+        model, prompts, keys, SamplingParams(max_new_tokens=new, temperature=temp)
     )
     forward = jax.jit(lambda m, t, k: m(t, positions_from_mask(k), k)[0])
     for r, prompt in enumerate(prompts):

@@ -80,7 +80,8 @@ import jax, jax.numpy as jnp, numpy as np, optax
 from pipeline.config import ModelConfig
 from tpu_jobs.model import mesh as M
 from tpu_jobs.model.transformer import init_model
-from tpu_jobs.generate.static import Sampler
+from tpu_jobs.generate.static_sampler import StaticSampler
+from tpu_jobs.generate.interface import SamplingParams
 from tpu_jobs.model.state import split_model
 
 assert jax.device_count() == 8, jax.devices()
@@ -136,14 +137,14 @@ out["out_specs"] = M.describe(sh_params)
 prompts = [[1, *rng.integers(4, 64, n).tolist()] for n in (3, 7, 5, 9, 2, 6, 4, 8)]
 keys = jax.random.split(jax.random.key(3), len(prompts))
 model = init_model(cfg, 1)
-ref_s = Sampler(cfg, eos_id=-1, decode_layout="token_major")
+ref_s = StaticSampler(cfg, eos_id=-1, decode_layout="token_major")
 sharded_model = M.shard_model(init_model(cfg, 1), mesh)
 for layout in ("token_major", "feature_major"):
-    sh_s = Sampler(cfg, eos_id=-1, mesh=mesh, decode_layout=layout)
+    sh_s = StaticSampler(cfg, eos_id=-1, mesh=mesh, decode_layout=layout)
     for name, temp, n in (("sample", 1.0, 8), ("greedy", 0.0, 8)):
-        a = ref_s.generate(model, prompts[:n], keys[:n], max_new_tokens=12, temperature=temp)
-        b = sh_s.generate(sharded_model, prompts[:n], keys[:n], max_new_tokens=12,
-                          temperature=temp)
+        params = SamplingParams(max_new_tokens=12, temperature=temp)
+        a = ref_s.generate(model, prompts[:n], keys[:n], params)
+        b = sh_s.generate(sharded_model, prompts[:n], keys[:n], params)
         out[f"{layout}/{name}"] = {"tokens_equal": bool(np.array_equal(a.tokens, b.tokens)),
                                    "logprob_diff": float(np.abs(a.logprobs - b.logprobs).max()),
                                    "distinct": int(len(np.unique(a.tokens)))}
@@ -276,7 +277,7 @@ def test_sampler_noise_drawn_up_front_equals_categorical():
     import jax.numpy as jnp
     import numpy as np
 
-    from tpu_jobs.generate.static import filter_logits, sample_step, step_noise
+    from tpu_jobs.generate.token_draw import filter_logits, sample_step, step_noise
 
     rng = np.random.default_rng(0)
     logits = jnp.asarray(3 * rng.standard_normal((5, 64)), jnp.float32)

@@ -20,8 +20,9 @@ from pipeline.tasks import TASKS
 from pipeline.tasks.mix import build_splits
 from pipeline.tokenizer import get_tokenizer
 from tpu_jobs import pass_rates as pr
+from tpu_jobs.generate import policy
+from tpu_jobs.generate.interface import SampleResult
 from tpu_jobs.generate.sample_verify import PASS_RATE_STREAM, sample_keys
-from tpu_jobs.generate.static import SampleResult
 from tpu_jobs.model.transformer import flat_params, init_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,12 +62,7 @@ class StubSampler:
         model,
         prompts,
         keys,
-        *,
-        max_new_tokens,
-        temperature,
-        top_k=0,
-        top_p=1.0,
-        dtype="float32",
+        params,
     ):
         data = np.asarray(jax.random.key_data(keys))
         texts = []
@@ -91,7 +87,7 @@ class StubSampler:
 def test_pass_rates_count_correct_samples_per_problem(run_with_weights, monkeypatch):
     run, problems, _ = run_with_weights
     StubSampler.problems = problems
-    monkeypatch.setattr(pr, "make_sampler", lambda cfg, tok, mesh: StubSampler(cfg.model, 0, 2))
+    monkeypatch.setattr(policy, "make_sampler", lambda cfg, tok, mesh: StubSampler(cfg.model, 0, 2))
     k = 5
     table = pr.pass_rates(
         run, problems, k, None, batch_size=7, log=lambda *_: None

@@ -9,8 +9,9 @@ import pytest
 from flax import nnx
 
 from pipeline.config import ModelConfig
-from tpu_jobs.generate.decode import DECODE_LAYOUTS
-from tpu_jobs.generate.static import Sampler
+from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS
+from tpu_jobs.generate.interface import SamplingParams
+from tpu_jobs.generate.static_sampler import StaticSampler
 from tpu_jobs.model.transformer import flat_params, init_model, load_flat_params, sequence_logprobs
 
 CFG = ModelConfig(preset="tiny", qkv_bias=True, tie_embeddings=False)
@@ -55,8 +56,8 @@ def model():
 
 @pytest.fixture(scope="module", params=sorted(DECODE_LAYOUTS))
 def sampler(request):
-    """Every test that takes this fixture runs once per decode layout (tpu_jobs.generate.decode)."""
-    return Sampler(CFG, pad_id=PAD, eos_id=EOS, decode_layout=request.param)
+    """Every test that takes this fixture runs once per decode layout (tpu_jobs.generate.decode_layouts)."""
+    return StaticSampler(CFG, pad_id=PAD, eos_id=EOS, decode_layout=request.param)
 
 
 @jax.jit(static_argnums=1)
@@ -108,7 +109,7 @@ def test_greedy_and_near_zero_temperature_match_manual_argmax(model, sampler):
     assert len(set(expected.ravel().tolist())) >= 4  # not one repeated token
     for temp in (0.0, 1e-4):
         out = sampler.generate(
-            model, PROMPTS, keys_for(3), max_new_tokens=MAX_NEW, temperature=temp
+            model, PROMPTS, keys_for(3), SamplingParams(max_new_tokens=MAX_NEW, temperature=temp)
         )
         np.testing.assert_array_equal(out.tokens, expected)
         assert out.tokens.shape == (3, MAX_NEW) and out.tokens.dtype == np.int32
@@ -119,35 +120,40 @@ def test_greedy_and_near_zero_temperature_match_manual_argmax(model, sampler):
 
 def test_prompt_alone_equals_prompt_in_padded_batch(model, sampler):
     alone = sampler.generate(
-        model, [PROMPTS[1]], keys_for(1), max_new_tokens=MAX_NEW, temperature=0
+        model, [PROMPTS[1]], keys_for(1), SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
     )
     longer = [[1, *range(3, 40)], PROMPTS[1], [1, 8, 9]]  # prompt bucket 16 -> 64
-    batch = sampler.generate(model, longer, keys_for(3), max_new_tokens=MAX_NEW, temperature=0)
+    batch = sampler.generate(
+        model, longer, keys_for(3), SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    )
     np.testing.assert_array_equal(batch.tokens[1], alone.tokens[0])
     np.testing.assert_allclose(batch.logprobs[1], alone.logprobs[0], atol=1e-5, rtol=0)
 
 
 def test_row_output_depends_only_on_its_key_and_prompt(model, sampler):
     k = keys_for(5, seed=3)
-    first = sampler.generate(model, PROMPTS, k[:3], max_new_tokens=MAX_NEW)
+    first = sampler.generate(model, PROMPTS, k[:3], SamplingParams(max_new_tokens=MAX_NEW))
     shuffled = sampler.generate(
         model,
         [PROMPTS[2], [1, 3, 3], PROMPTS[0], [1, 6]],
         k[jnp.array([2, 3, 0, 4])],
-        max_new_tokens=MAX_NEW,
+        SamplingParams(max_new_tokens=MAX_NEW),
     )
     np.testing.assert_array_equal(first.tokens[0], shuffled.tokens[2])
     np.testing.assert_array_equal(first.tokens[2], shuffled.tokens[0])
-    again = sampler.generate(model, PROMPTS, k[:3], max_new_tokens=MAX_NEW)
+    again = sampler.generate(model, PROMPTS, k[:3], SamplingParams(max_new_tokens=MAX_NEW))
     np.testing.assert_array_equal(first.tokens, again.tokens)
     np.testing.assert_array_equal(first.logprobs, again.logprobs)
-    other = sampler.generate(model, PROMPTS, keys_for(3, seed=4), max_new_tokens=MAX_NEW)
+    other = sampler.generate(
+        model, PROMPTS, keys_for(3, seed=4), SamplingParams(max_new_tokens=MAX_NEW)
+    )
     assert not np.array_equal(first.tokens, other.tokens)
     # Raw uint32 key data [B, 2] gives the same result as the typed keys it wraps.
     raw = np.asarray(jax.random.key_data(k[:3]))
     assert raw.shape == (3, 2) and raw.dtype == np.uint32
     np.testing.assert_array_equal(
-        sampler.generate(model, PROMPTS, raw, max_new_tokens=MAX_NEW).tokens, first.tokens
+        sampler.generate(model, PROMPTS, raw, SamplingParams(max_new_tokens=MAX_NEW)).tokens,
+        first.tokens,
     )
 
 
@@ -170,10 +176,7 @@ def test_top_k_top_p_stay_in_allowed_set(model, sampler, top_k, top_p):
         model,
         prompts,
         keys_for(8, seed=5),
-        max_new_tokens=MAX_NEW,
-        temperature=temp,
-        top_k=top_k,
-        top_p=top_p,
+        SamplingParams(max_new_tokens=MAX_NEW, temperature=temp, top_k=top_k, top_p=top_p),
     )
     sizes, ranks = [], []
     for row, prompt in enumerate(prompts):
@@ -193,7 +196,10 @@ def test_top_k_top_p_stay_in_allowed_set(model, sampler, top_k, top_p):
 @pytest.mark.parametrize("temp", [1.0, 0.6, 0.0])
 def test_logprobs_match_sequence_logprobs(model, sampler, temp):
     out = sampler.generate(
-        model, PROMPTS, keys_for(3, seed=6), max_new_tokens=MAX_NEW, temperature=temp
+        model,
+        PROMPTS,
+        keys_for(3, seed=6),
+        SamplingParams(max_new_tokens=MAX_NEW, temperature=temp),
     )
     check_logprobs(model, PROMPTS, out, temp)
     assert np.all(out.logprobs < 0)
@@ -202,7 +208,9 @@ def test_logprobs_match_sequence_logprobs(model, sampler, temp):
 def test_eos_stops_rows(sampler):
     model = random_model(seed=1, triggers=TRIGGERS)
     prompts = [PROMPTS[i % 3] + [30 + i] for i in range(16)]
-    out = sampler.generate(model, prompts, keys_for(16, seed=7), max_new_tokens=MAX_NEW)
+    out = sampler.generate(
+        model, prompts, keys_for(16, seed=7), SamplingParams(max_new_tokens=MAX_NEW)
+    )
     for r in range(16):
         gen = out.tokens[r].tolist()
         if EOS in gen:
@@ -221,7 +229,7 @@ def test_eos_stops_rows(sampler):
 
     # Every prompt ends in a trigger: all rows stop at their first token.
     ending = [p + [TRIGGERS[i % len(TRIGGERS)]] for i, p in enumerate(PROMPTS)]
-    out = sampler.generate(model, ending, keys_for(3), max_new_tokens=MAX_NEW)
+    out = sampler.generate(model, ending, keys_for(3), SamplingParams(max_new_tokens=MAX_NEW))
     np.testing.assert_array_equal(out.lengths, [1, 1, 1])
     assert out.finished.all() and np.all(out.tokens[:, 0] == EOS)
     assert np.all(out.tokens[:, 1:] == PAD) and np.all(out.logprobs[:, 1:] == 0)
@@ -229,27 +237,36 @@ def test_eos_stops_rows(sampler):
 
 
 def test_compiles_once_per_bucket_and_weights_are_not_baked_in():
-    sampler = Sampler(CFG, pad_id=PAD, eos_id=EOS, batch_buckets=(4, 8), prompt_buckets=(16,))
+    sampler = StaticSampler(CFG, pad_id=PAD, eos_id=EOS, batch_buckets=(4, 8), prompt_buckets=(16,))
     model = random_model(seed=2)
-    a = sampler.generate(model, PROMPTS, keys_for(3), max_new_tokens=MAX_NEW)
+    a = sampler.generate(model, PROMPTS, keys_for(3), SamplingParams(max_new_tokens=MAX_NEW))
     assert sampler.compile_count == 1
-    b = sampler.generate(model, [*PROMPTS, [1, 4]], keys_for(4), max_new_tokens=MAX_NEW - 3)
+    b = sampler.generate(
+        model, [*PROMPTS, [1, 4]], keys_for(4), SamplingParams(max_new_tokens=MAX_NEW - 3)
+    )
     np.testing.assert_array_equal(b.tokens[:3], a.tokens[:, : MAX_NEW - 3])
     assert b.tokens.shape == (4, MAX_NEW - 3) and np.all(b.lengths == MAX_NEW - 3)
-    sampler.generate(model, PROMPTS, keys_for(3), max_new_tokens=MAX_NEW, temperature=0.3)
+    sampler.generate(
+        model, PROMPTS, keys_for(3), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.3)
+    )
     assert sampler.compile_count == 1  # other batch size, length, temperature: same program
 
     load_flat_params(model, flat_params(random_model(seed=3)))  # new weights, in place
-    c = sampler.generate(model, PROMPTS, keys_for(3), max_new_tokens=MAX_NEW)
+    c = sampler.generate(model, PROMPTS, keys_for(3), SamplingParams(max_new_tokens=MAX_NEW))
     assert not np.array_equal(a.tokens, c.tokens)
     other = random_model(seed=2)  # another model object holding the first weights
-    d = sampler.generate(model=other, prompts=PROMPTS, keys=keys_for(3), max_new_tokens=MAX_NEW)
+    d = sampler.generate(
+        model=other,
+        prompts=PROMPTS,
+        keys=keys_for(3),
+        params=SamplingParams(max_new_tokens=MAX_NEW),
+    )
     np.testing.assert_array_equal(d.tokens, a.tokens)
     sampler.set_weights(other)
-    e = sampler.generate(None, PROMPTS, keys_for(3), max_new_tokens=MAX_NEW)
+    e = sampler.generate(None, PROMPTS, keys_for(3), SamplingParams(max_new_tokens=MAX_NEW))
     np.testing.assert_array_equal(e.tokens, a.tokens)
     assert sampler.compile_count == 1
-    sampler.generate(model, [[1, 2]] * 5, keys_for(5), max_new_tokens=MAX_NEW)
+    sampler.generate(model, [[1, 2]] * 5, keys_for(5), SamplingParams(max_new_tokens=MAX_NEW))
     assert sampler.compile_count == 2  # batch bucket 8
 
 
@@ -262,9 +279,14 @@ def test_bfloat16_and_argument_errors(model, sampler):
     only where float32's top-2 gap is within the error this test measures (twice the
     largest log-prob error on each side, a factor 2 to spare)."""
     out = sampler.generate(
-        model, PROMPTS, keys_for(3), max_new_tokens=MAX_NEW, temperature=0, dtype="bfloat16"
+        model,
+        PROMPTS,
+        keys_for(3),
+        SamplingParams(max_new_tokens=MAX_NEW, temperature=0, dtype="bfloat16"),
     )
-    ref = sampler.generate(model, PROMPTS, keys_for(3), max_new_tokens=MAX_NEW, temperature=0)
+    ref = sampler.generate(
+        model, PROMPTS, keys_for(3), SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    )
     assert out.tokens.shape == (3, MAX_NEW)
     steps = []  # (float32 gap between its choice and bf16's, bf16's log-prob error)
     for r, prompt in enumerate(PROMPTS):
@@ -280,31 +302,35 @@ def test_bfloat16_and_argument_errors(model, sampler):
     assert errors.max() < 32 * 2.0**-9, errors.max()
     assert np.all(gaps <= 4 * errors.max()), (gaps, errors)  # 0 where the tokens agree
     with pytest.raises(ValueError, match="non-empty"):
-        sampler.generate(model, [[1, 2], []], keys_for(2), max_new_tokens=4)
+        sampler.generate(model, [[1, 2], []], keys_for(2), SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match="one key per prompt"):
-        sampler.generate(model, PROMPTS, keys_for(2), max_new_tokens=4)
+        sampler.generate(model, PROMPTS, keys_for(2), SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match=r"uint32 key data of shape \[B, 2\]"):
-        sampler.generate(model, PROMPTS, np.zeros((3, 2), np.int64), max_new_tokens=4)
+        sampler.generate(
+            model, PROMPTS, np.zeros((3, 2), np.int64), SamplingParams(max_new_tokens=4)
+        )
     with pytest.raises(ValueError, match="top_p"):
-        sampler.generate(model, PROMPTS, keys_for(3), max_new_tokens=4, top_p=0.0)
+        sampler.generate(model, PROMPTS, keys_for(3), SamplingParams(max_new_tokens=4, top_p=0.0))
     with pytest.raises(ValueError, match="dtype"):
-        sampler.generate(model, PROMPTS, keys_for(3), max_new_tokens=4, dtype="float16")
+        sampler.generate(
+            model, PROMPTS, keys_for(3), SamplingParams(max_new_tokens=4, dtype="float16")
+        )
 
 
 def test_kv_token_budget_splits_a_call_and_keeps_every_rows_tokens(model):
     """sampler.kv_token_budget: 3 prompts of the 16-token bucket with 12 new tokens (16)
     need 4 x 32 cache slots; a budget of 64 runs them as 2 + 1 rows, with the same tokens
     and log-probs per row as one call. A budget that holds no row is refused."""
-    whole = Sampler(CFG, pad_id=PAD, eos_id=EOS)
-    bounded = Sampler(CFG, pad_id=PAD, eos_id=EOS, kv_token_budget=64)
+    whole = StaticSampler(CFG, pad_id=PAD, eos_id=EOS)
+    bounded = StaticSampler(CFG, pad_id=PAD, eos_id=EOS, kv_token_budget=64)
     assert bounded.rows_per_call(3, 32) == 2 and whole.rows_per_call(3, 32) == 3
     k = keys_for(3, seed=7)
-    want = whole.generate(model, PROMPTS, k, max_new_tokens=MAX_NEW)
-    got = bounded.generate(model, PROMPTS, k, max_new_tokens=MAX_NEW)
+    want = whole.generate(model, PROMPTS, k, SamplingParams(max_new_tokens=MAX_NEW))
+    got = bounded.generate(model, PROMPTS, k, SamplingParams(max_new_tokens=MAX_NEW))
     assert bounded.compile_count == 2  # a 2-row and a 1-row program
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.lengths, want.lengths)
     np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
-    tight = Sampler(CFG, pad_id=PAD, eos_id=EOS, kv_token_budget=31)
+    tight = StaticSampler(CFG, pad_id=PAD, eos_id=EOS, kv_token_budget=31)
     with pytest.raises(ValueError, match=r"kv_token_budget=31 .* at least 32"):
-        tight.generate(model, PROMPTS, k, max_new_tokens=MAX_NEW)
+        tight.generate(model, PROMPTS, k, SamplingParams(max_new_tokens=MAX_NEW))

@@ -7,7 +7,7 @@ worker's sampler with other weights of the same architecture. The model has head
 whose in-place reload needs the untied export, tpu_jobs/generate/vllm_sampler.py).
 
 References are transformers' float32 log-probs of the very tokens vLLM sampled, from the
-same weights exported with `tpu_jobs.hf.export_hf` (as they are: tied), so the bound is
+same weights exported with `tpu_jobs.model.hf_checkpoint.export_hf` (as they are: tied), so the bound is
 float32 rounding (~1e-6 measured; 1e-5 allowed).
 """
 
@@ -23,9 +23,10 @@ from pipeline.paramserver import ParamServer
 from pipeline.problem_sets import write_data
 from pipeline.run import Run, base_server
 from tests.runs import tiny_config
-from tpu_jobs import hf
+from tpu_jobs.generate.interface import SamplingParams
 from tpu_jobs.generate.sample_verify import ROLLOUT_STREAM, sample_keys
 from tpu_jobs.generate.vllm_sampler import DEFAULT_PYTHON, VllmSampler
+from tpu_jobs.model import hf_checkpoint
 from tpu_jobs.model.transformer import flat_params, init_model, load_flat_params
 from tpu_jobs.rollout_worker import RolloutWorker
 from tpu_jobs.trainer import Trainer
@@ -78,7 +79,7 @@ def hf_logprobs(tmp_path, model, rows, temperature=1.0):
     """transformers' float32 log-probs of each row's completion tokens given its prompt:
     a list of arrays, for `rows` = [(prompt ids, completion ids)]."""
     out = tmp_path / "hf"
-    hf.export_hf(out, model.cfg, flat_params(model))
+    hf_checkpoint.export_hf(out, model.cfg, flat_params(model))
     ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     result = []
     for prompt, completion in rows:
@@ -94,7 +95,10 @@ def hf_logprobs(tmp_path, model, rows, temperature=1.0):
 def generate(sampler, model, prompts, seed=0, temperature=1.0, new=24):
     keys = sample_keys(seed, ROLLOUT_STREAM, 0, 0, len(prompts), 1)
     return sampler.generate(
-        model, prompts, keys, max_new_tokens=new, temperature=temperature, dtype="float32"
+        model,
+        prompts,
+        keys,
+        SamplingParams(max_new_tokens=new, temperature=temperature, dtype="float32"),
     )
 
 

@@ -1,7 +1,7 @@
 """A continuous-batching rollout engine: a fixed number of slots over a paged KV cache,
 decode in jitted chunks, refill between chunks, one prefill per prompt group, stop
 sequences and resumable requests. The default sampler of every job that samples
-(`tpu_jobs.generate.registry`); `tpu_jobs.generate.static.Sampler` (one static batch until its longest
+(`tpu_jobs.generate.registry`); `tpu_jobs.generate.static_sampler.StaticSampler` (one static batch until its longest
 row ends) is the reference it is tested against.
 
 How a call runs (`Engine.run`; `Engine.generate` is the static sampler's interface):
@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from pipeline.config import ModelConfig
+from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
 from tpu_jobs.generate.kv_pages import (
     PAGED_ATTENTION,
     PagedKV,
@@ -63,19 +64,10 @@ from tpu_jobs.generate.kv_pages import (
     page_bytes,
     scatter_rows,
 )
-from tpu_jobs.generate.static import (
-    DEFAULT_PROMPT_BUCKETS,
-    NOISE_BUDGET,
-    SampleResult,
-    _as_keys,
-    _cast_state,
-    bucket,
-    check_sampling_args,
-    key_data,
-    same_arrays,
-    sample_step,
-)
+from tpu_jobs.generate.token_draw import NOISE_BUDGET, as_keys, key_data, sample_step
+from tpu_jobs.generate.weight_copies import cast_state, same_arrays
 from tpu_jobs.model import mesh as meshlib
+from tpu_jobs.model.batching import DEFAULT_PROMPT_BUCKETS, bucket
 from tpu_jobs.model.transformer import DTYPES, Transformer, rope_tables
 
 STOP_REASONS = ("eos", "stop", "length")
@@ -192,7 +184,7 @@ def _check_request(i: int, r: Request | Resume, detokenize) -> None:
 
 
 def _row_noise(keys: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
-    """[B, V]: gumbel(fold_in(keys[r], steps[r])), as `sampler.step_noise` per row."""
+    """[B, V]: gumbel(fold_in(keys[r], steps[r])), as `token_draw.step_noise` per row."""
     return jax.vmap(lambda k, s: jax.random.gumbel(jax.random.fold_in(k, s), (vocab,)))(keys, steps)
 
 
@@ -464,7 +456,7 @@ class Engine:
         if self.mesh is not None:
             state = meshlib.shard_tree(state, self.mesh)
         if dtype != "float32":
-            state = jax.jit(functools.partial(_cast_state, dtype=dtype))(state)
+            state = jax.jit(functools.partial(cast_state, dtype=dtype))(state)
         self._weights = (dtype, given, graphdef, state)
         return graphdef, state
 
@@ -513,25 +505,14 @@ class Engine:
         model: Transformer,
         prompts: list[list[int]],
         keys: jax.Array,
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        dtype: str = "float32",
+        params: SamplingParams,
     ) -> SampleResult:
-        """`tpu_jobs.generate.static.Sampler.generate`'s contract, through `run`."""
-        n = len(prompts)
-        if n == 0 or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token lists")
-        data = np.asarray(jax.random.key_data(_as_keys(keys, n)))
+        """The `tpu_jobs.generate.interface.Sampler` contract, through `run`."""
+        n = check_prompts(prompts)
+        max_new_tokens = params.max_new_tokens
+        data = np.asarray(jax.random.key_data(as_keys(keys, n)))
         done = self.run(
-            model,
-            [Request(p, data[i], max_new_tokens) for i, p in enumerate(prompts)],
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            dtype=dtype,
+            model, [Request(p, data[i], max_new_tokens) for i, p in enumerate(prompts)], params
         )
         tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
         logprobs = np.zeros((n, max_new_tokens), np.float32)
@@ -606,17 +587,26 @@ class Engine:
         self,
         model: Transformer,
         requests: Sequence[Request | Resume],
-        *,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        dtype: str = "float32",
+        params: SamplingParams | None = None,
     ) -> list[Completion]:
-        """Serve `requests` to the end; one Completion per request, in order."""
+        """Serve `requests` to the end, sampling with `params` (None: the defaults); one
+        Completion per request, in order. Each request's own `max_new_tokens` is its limit
+        (a tool episode's turn: what is left of the episode), at most `params.max_new_tokens`."""
         if not requests:
             return []
-        check_sampling_args(
-            min(r.max_new_tokens for r in requests), temperature, top_k, top_p, dtype
+        longest = max(r.max_new_tokens for r in requests)
+        params = params or SamplingParams(max(longest, 1))
+        if longest > params.max_new_tokens:
+            i = next(i for i, r in enumerate(requests) if r.max_new_tokens == longest)
+            raise ValueError(
+                f"request {i}: max_new_tokens={longest} is invalid; allowed: <= "
+                f"params.max_new_tokens={params.max_new_tokens}"
+            )
+        temperature, top_k, top_p, dtype = (
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.dtype,
         )
         seqs = self._seqs(requests, dtype)
         graphdef, state = self._state(model, dtype)

@@ -52,8 +52,9 @@ from pipeline.config import EnvironmentConfig
 from pipeline.environments import Environment, make_environment
 from pipeline.tasks.base import Problem
 from tpu_jobs.generate.engine import Engine, Request, Resume
+from tpu_jobs.generate.interface import Sampler, SamplingParams
 from tpu_jobs.generate.sample_verify import Scored, sample_and_verify, verify_rows
-from tpu_jobs.generate.static import key_data
+from tpu_jobs.generate.token_draw import key_data
 
 
 @dataclass
@@ -124,15 +125,10 @@ def run_episodes(
     prompts: Sequence[Sequence[int]],
     keys: Any,
     cfg: EnvironmentConfig,
-    *,
-    max_turn_tokens: int,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    dtype: str = "float32",
+    params: SamplingParams,
 ) -> tuple[list[Episode], EpisodeTimes]:
     """One episode per row (`prompts[r]` with `keys[r]`, typed PRNG keys or uint32 key
-    data [rows, 2]); each turn samples at most `max_turn_tokens` tokens. Returns the
+    data [rows, 2]); each turn samples at most `params.max_new_tokens` tokens. Returns the
     episodes in row order and the time split."""
     if not isinstance(engine, Engine):
         raise ValueError(
@@ -155,8 +151,7 @@ def run_episodes(
             data[start : start + len(rows)],
             cfg,
             times,
-            dict(temperature=temperature, top_k=top_k, top_p=top_p, dtype=dtype),
-            max_turn_tokens,
+            params,
         )
     return episodes, times
 
@@ -168,11 +163,12 @@ def _key_data(keys: Any, n: int) -> np.ndarray:
     return data
 
 
-def _run_wave(engine, model, env, tok, prompts, keys, cfg, times, sampling, max_turn) -> list:
+def _run_wave(engine, model, env, tok, prompts, keys, cfg, times, params) -> list:
     """The wave's episodes, in two halves that take turns: while the tools of one half's
     finished turns run (on a thread: the sandbox waits on processes), the engine decodes
     the other half's turns."""
     n = len(prompts)
+    max_turn = params.max_new_tokens
     eps = [Episode() for _ in range(n)]
     stops = tuple(env.stop_strings)
     requests: dict[int, Request | Resume] = {
@@ -208,7 +204,7 @@ def _run_wave(engine, model, env, tok, prompts, keys, cfg, times, sampling, max_
                 if not rows:
                     continue
                 ended = _turns(engine, model, [requests.pop(r) for r in rows], rows, eps, parked,
-                               tok, cfg, stops, times, sampling)  # fmt: skip
+                               tok, cfg, stops, times, params)  # fmt: skip
                 _release_done(engine, eps, parked)
                 if ended:
                     turns = [t for _, t in ended]
@@ -230,11 +226,11 @@ def _release_done(engine: Engine, eps: list[Episode], parked: dict[int, int]) ->
         engine.release(parked.pop(r))
 
 
-def _turns(engine, model, requests, rows, eps, parked, tok, cfg, stops, times, sampling):
+def _turns(engine, model, requests, rows, eps, parked, tok, cfg, stops, times, params):
     """Sample one turn of each row; record it; the (row, turn text) of the turns the
     environment must read (ended on a stop string, turns left)."""
     t0 = time.perf_counter()
-    outs = engine.run(model, requests, **sampling)
+    outs = engine.run(model, requests, params)  # each request: its turn's room
     times.generate_s += time.perf_counter() - t0
     times.rounds += 1
     ended: list[tuple[int, str]] = []
@@ -280,12 +276,7 @@ def sample_episodes_and_verify(
     cfg: EnvironmentConfig,
     problems: Sequence[Problem],
     keys: Any,
-    *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    dtype: str = "float32",
+    params: SamplingParams,
 ) -> Scored:
     """`tpu_jobs.generate.sample_verify.sample_and_verify`'s contract for tool episodes: one episode per
     row, its final answer scored by its task's verifier, minus `failed_call_penalty` per
@@ -300,11 +291,7 @@ def sample_episodes_and_verify(
         prompts,
         keys,
         cfg,
-        max_turn_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        dtype=dtype,
+        params,
     )
     t0 = time.perf_counter()
     verified = np.asarray(verify_rows(problems, [e.final_text for e in episodes]), np.float32)
@@ -333,26 +320,26 @@ def sample_episodes_and_verify(
 
 
 def sample_rows(
-    sampler: Any,
+    sampler: Sampler,
     model: Any,
     tok: Any,
     cfg: EnvironmentConfig,
     problems: Sequence[Problem],
     keys: Any,
+    params: SamplingParams,
     *,
     env: Environment | None = None,
     batch_size: int | None = None,
     on_batch: Any = None,
-    **sampling: Any,
 ) -> Scored:
     """One scored completion per row for every job that samples (rollout worker,
-    evaluator, pass-rate job): tool episodes when `cfg` (the run's `environment`) names an
-    environment (`env`, or built from `cfg`), else `sampling.sample_and_verify` with its
-    `batch_size` and `on_batch`. `sampling`: max_new_tokens, temperature, top_k, top_p,
-    dtype."""
+    evaluator, pass-rate job), sampled with `params` (the role's, `interface.sampling_params`):
+    tool episodes when `cfg` (the run's `environment`) names an environment (`env`, or built
+    from `cfg`; each turn takes at most `params.max_new_tokens` tokens), else
+    `sample_verify.sample_and_verify` with its `batch_size` and `on_batch`."""
     if cfg.multi_turn:
         env = env or make_environment(cfg)
-        return sample_episodes_and_verify(sampler, model, tok, env, cfg, problems, keys, **sampling)
+        return sample_episodes_and_verify(sampler, model, tok, env, cfg, problems, keys, params)
     return sample_and_verify(
-        sampler, model, tok, problems, keys, batch_size=batch_size, on_batch=on_batch, **sampling
+        sampler, model, tok, problems, keys, params, batch_size=batch_size, on_batch=on_batch
     )

@@ -1,26 +1,24 @@
 """The sampler of a run by name (`sampler.engine`): every job that samples (rollout
-worker, evaluator, pass-rate job) builds it here, so they all generate the same way.
-
-A sampler has `generate(model, prompts, keys, *, max_new_tokens, temperature, top_k,
-top_p, dtype) -> tpu_jobs.generate.static.SampleResult`, `pad_id` and `eos_id`.
+worker, evaluator, pass-rate job) builds it here (through `tpu_jobs.generate.policy`), so
+they all generate the same way. Each is a `tpu_jobs.generate.interface.Sampler`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 
 from pipeline.config import SAMPLER_ENGINES, RunConfig
 from pipeline.tokenizer import Tokenizer
 from tpu_jobs.generate.engine import Engine
-from tpu_jobs.generate.static import Sampler
+from tpu_jobs.generate.interface import Sampler
+from tpu_jobs.generate.static_sampler import StaticSampler
 from tpu_jobs.generate.vllm_sampler import VllmSampler
 
 
-def _static(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None) -> Sampler:
-    return Sampler(
+def _static(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None) -> StaticSampler:
+    return StaticSampler(
         cfg.model,
         pad_id=tok.pad_id,
         eos_id=tok.eos_id,
@@ -60,7 +58,7 @@ def _vllm(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None) -> Vll
 
 
 # sampler.engine -> (run config, tokenizer, sampler mesh or None) -> a sampler.
-SAMPLERS: dict[str, Callable[[RunConfig, Tokenizer, Any], Any]] = {
+SAMPLERS: dict[str, Callable[[RunConfig, Tokenizer, jax.sharding.Mesh | None], Sampler]] = {
     "jax": _engine,
     "static": _static,
     "vllm": _vllm,
@@ -68,6 +66,6 @@ SAMPLERS: dict[str, Callable[[RunConfig, Tokenizer, Any], Any]] = {
 assert set(SAMPLERS) == set(SAMPLER_ENGINES), "pipeline.config.SAMPLER_ENGINES is out of date"
 
 
-def make_sampler(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None = None) -> Any:
+def make_sampler(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None = None) -> Sampler:
     """The sampler `cfg.sampler.engine` names, for `tok`'s special ids, on `mesh`."""
     return SAMPLERS[cfg.sampler.engine](cfg, tok, mesh)

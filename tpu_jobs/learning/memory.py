@@ -103,10 +103,10 @@ def sampler_memory(
     sampler.kv_token_budget, of the program of one part of the call (`rows_per_call`)."""
     from flax import nnx
 
-    from tpu_jobs.generate.static import Sampler
+    from tpu_jobs.generate.static_sampler import StaticSampler
     from tpu_jobs.model.transformer import init_cache, init_model
 
-    sampler = Sampler(cfg.model, kv_token_budget=cfg.sampler.kv_token_budget)
+    sampler = StaticSampler(cfg.model, kv_token_budget=cfg.sampler.kv_token_budget)
     batch = sampler.rows_per_call(batch, prompt_len + new_tokens)  # one program's rows
     graphdef, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg.model, 0)))
     state, weights = sampler.abstract_weights(graphdef, state, dtype)

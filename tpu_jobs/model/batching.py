@@ -11,6 +11,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
+# Shape buckets of the jitted programs (the samplers, the judge's scoring): a size is padded
+# up to its bucket, so each bucket compiles once.
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
+DEFAULT_NEW_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    """Smallest bucket >= n; beyond the largest, the next multiple of the largest."""
+    for b in sorted(buckets):
+        if b >= n:
+            return b
+    top = max(buckets)
+    return -(-n // top) * top
+
 
 def round_up(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)

@@ -56,8 +56,7 @@ from pipeline.config import ModelConfig, from_dict
 from pipeline.run import Run, orm_server
 from pipeline.tasks.judge import JUDGE_SUFFIX, VERDICT_NO, VERDICT_YES, judge_context
 from pipeline.tokenizer import Tokenizer
-from tpu_jobs.generate.static import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BUCKETS, bucket
-from tpu_jobs.model.batching import pack_rows
+from tpu_jobs.model.batching import DEFAULT_BATCH_BUCKETS, DEFAULT_PROMPT_BUCKETS, bucket, pack_rows
 from tpu_jobs.model.transformer import (
     Transformer,
     init_model,

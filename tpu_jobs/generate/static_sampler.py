@@ -1,4 +1,5 @@
-"""Batched autoregressive sampling with a KV cache, the whole decode loop inside one jit.
+"""The static sampler: batched autoregressive sampling with a KV cache, the whole decode
+loop inside one jit; the reference the engine is tested against.
 
 Prompts of different lengths are left-padded to a common length (CONVENTIONS.md token
 layout), so every row writes its next token into the same cache slot and one scalar
@@ -6,34 +7,30 @@ layout), so every row writes its next token into the same cache slot and one sca
 padded up to buckets so each bucket compiles once; temperature, top-k and top-p values are
 traced (changing them never recompiles; only switching top-k / top-p on or off does).
 
-Randomness: the token of row r at step s is drawn with `fold_in(keys[r], s)`, so a row's
-output depends only on its own key and prompt, never on its position in the batch or on
-the other rows (up to float rounding differences between shape buckets). When small
-(`NOISE_BUDGET`), the Gumbel noise of all steps is drawn before the decode loop in one
-vectorised call: the same values as per-step `jax.random.categorical` draws, without a
-per-step threefry loop.
+Randomness: the token of row r at step s is drawn with `fold_in(keys[r], s)`
+(`tpu_jobs.generate.token_draw`), so a row's output depends only on its own key and prompt,
+never on its position in the batch or on the other rows (up to float rounding differences
+between shape buckets). When small (`NOISE_BUDGET`), the Gumbel noise of all steps is drawn
+before the decode loop in one vectorised call: the same values as per-step
+`jax.random.categorical` draws, without a per-step threefry loop.
 
 Speed (XLA:CPU, see benchmarks/results/sampler_vs_hf.md): the cache donated to the jitted
 program is updated in place, and it uses the model's per-layer KV cache layout
 (`init_cache(per_layer=True)`), which the attention matmuls read without the per-step
 transposes of the stacked layout. Together with the up-front noise this halved the time of
 the `demo` preset. Larger models are bound by the float32 matmuls of the decode steps,
-which the feature-major decode layout (tpu_jobs.generate.decode, the default on CPU for hidden
+which the feature-major decode layout (tpu_jobs.generate.decode_layouts, the default on CPU for hidden
 sizes >= 256) runs ~10-15% faster; its transposed weights are prepared once per weight
 version and kept.
 
-Log-probs are those of the emitted tokens under softmax(logits / temperature) (raw logits
-when temperature == 0), before top-k / top-p filtering. Top-p is applied to the
-top-k-filtered, renormalised distribution (HF order: temperature, top-k, top-p); tokens
-tied with the smallest kept logit are kept.
+Log-probs and the top-k / top-p filter: `tpu_jobs.generate.token_draw`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import fields
 
 import jax
 import jax.numpy as jnp
@@ -41,125 +38,18 @@ import numpy as np
 from flax import nnx
 
 from pipeline.config import ModelConfig
-from tpu_jobs.generate.decode import DECODE_LAYOUTS, DecodeLayout, default_layout
+from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS, DecodeLayout, default_layout
+from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
+from tpu_jobs.generate.token_draw import NOISE_BUDGET, as_keys, sample_step, step_noise
+from tpu_jobs.generate.weight_copies import cast_state, same_arrays
 from tpu_jobs.model import mesh as meshlib
+from tpu_jobs.model.batching import (
+    DEFAULT_BATCH_BUCKETS,
+    DEFAULT_NEW_TOKEN_BUCKETS,
+    DEFAULT_PROMPT_BUCKETS,
+    bucket,
+)
 from tpu_jobs.model.transformer import DTYPES, KVCache, Transformer, init_cache, positions_from_mask
-
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
-DEFAULT_NEW_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512)
-# Up to this many Gumbel noise values (batch x new tokens x vocab) are drawn before the
-# decode loop in one go (64 MiB of float32); beyond it, each step draws its own. The values
-# are the same either way.
-NOISE_BUDGET = 1 << 24
-
-
-@dataclass
-class SampleResult:
-    """tokens: [B, max_new] int32, PAD after EOS; logprobs: [B, max_new] float32, 0 after
-    EOS; lengths: [B] generated tokens including the EOS if any; finished: [B] EOS emitted."""
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    lengths: np.ndarray
-    finished: np.ndarray
-
-
-def same_arrays(held: Sequence[Any], given: Sequence[Any]) -> bool:
-    """Whether `given` are the very arrays held (identity, not values): a sampler keeps
-    what it derived from one weight version (a cast copy, a server's weights) until the
-    job loads another version, which comes as new arrays."""
-    return len(held) == len(given) and all(a is b for a, b in zip(held, given, strict=True))
-
-
-def check_sampling_args(
-    max_new: int, temperature: float, top_k: int, top_p: float, dtype: str
-) -> None:
-    """Refuse settings no sampler takes, naming the value and what is allowed (the static
-    sampler and the engine share the contract)."""
-    if max_new <= 0:
-        raise ValueError(f"max_new_tokens={max_new} is invalid; allowed: > 0")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} is invalid; allowed: >= 0 (0: greedy)")
-    if top_k < 0:
-        raise ValueError(f"top_k={top_k} is invalid; allowed: >= 0 (0: off)")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p} is invalid; allowed: (0, 1] (1: off)")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is invalid; allowed: {', '.join(DTYPES)}")
-
-
-def bucket(n: int, buckets: Sequence[int]) -> int:
-    """Smallest bucket >= n; beyond the largest, the next multiple of the largest."""
-    for b in sorted(buckets):
-        if b >= n:
-            return b
-    top = max(buckets)
-    return -(-n // top) * top
-
-
-# --------------------------------------------------------------------------- pure math
-
-
-def filter_logits(
-    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, *, use_top_k: bool, use_top_p: bool
-) -> jax.Array:
-    """Set logits outside the top-k / nucleus (top-p) set to -inf. scaled: [B, V]."""
-    if not (use_top_k or use_top_p):
-        return scaled
-    vocab = scaled.shape[-1]
-    desc = -jnp.sort(-scaled, axis=-1)  # [B, V] descending
-    threshold = jnp.full(scaled.shape[:-1], -jnp.inf, scaled.dtype)
-    if use_top_k:
-        k = jnp.clip(top_k, 1, vocab).astype(jnp.int32)
-        threshold = jnp.take(desc, k - 1, axis=-1)
-        desc = jnp.where(desc >= threshold[:, None], desc, -jnp.inf)
-    if use_top_p:
-        probs = jax.nn.softmax(desc, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-        keep = before < top_p
-        keep = keep.at[:, 0].set(True)  # the most likely token always survives
-        n_keep = jnp.sum(keep, axis=-1)
-        threshold = jnp.maximum(threshold, jnp.take_along_axis(desc, n_keep[:, None] - 1, -1)[:, 0])
-    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
-
-
-def sample_step(
-    logits: jax.Array,
-    keys: jax.Array,
-    step: jax.Array,
-    temperature: jax.Array,
-    top_k: jax.Array,
-    top_p: jax.Array,
-    *,
-    use_top_k: bool,
-    use_top_p: bool,
-    noise: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """(token [B] int32, log-prob [B] float32) from next-token logits [B, V] float32.
-
-    `noise`: this step's Gumbel noise [B, V] as made by `step_noise` (else drawn here);
-    either way row r samples argmax(filtered + gumbel(fold_in(keys[r], step))), which is
-    exactly `jax.random.categorical(fold_in(keys[r], step), filtered)`."""
-    greedy = temperature <= 0
-    scaled = logits / jnp.where(greedy, 1.0, temperature)
-    logp = jax.nn.log_softmax(scaled, axis=-1)
-    filtered = filter_logits(scaled, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p)
-    if noise is None:
-        noise = step_noise(keys, jnp.asarray(step, jnp.int32)[None], logits.shape[-1])[:, 0]
-    # One argmax for both modes (an argmax is a slow reduction on XLA:CPU).
-    token = jnp.argmax(jnp.where(greedy, logits, filtered + noise), axis=-1).astype(jnp.int32)
-    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-
-
-def step_noise(keys: jax.Array, steps: jax.Array, vocab: int) -> jax.Array:
-    """Gumbel noise [B, len(steps), vocab] of `jax.random.categorical` for each row key and
-    step (float32): gumbel(fold_in(keys[r], steps[j]), (vocab,))."""
-
-    def row(key):
-        return jax.vmap(lambda s: jax.random.gumbel(jax.random.fold_in(key, s), (vocab,)))(steps)
-
-    return jax.vmap(row)(keys)
 
 
 def prefill(
@@ -173,17 +63,12 @@ def prefill(
     return model.logits(hidden[:, -1]), cache
 
 
-def _cast_state(state: nnx.State, dtype: str) -> nnx.State:
-    cdt = DTYPES[dtype]
-    return jax.tree.map(lambda a: a.astype(cdt) if a.dtype != cdt else a, state)
-
-
 def _prepare(graphdef: nnx.GraphDef, state: nnx.State, *, layout: DecodeLayout, dtype: str):
     """(the state in the compute dtype, or None when it is float32 already; the decode
-    layout's weights (tpu_jobs.generate.decode) in that dtype). The cast state is made once per
+    layout's weights (tpu_jobs.generate.decode_layouts) in that dtype). The cast state is made once per
     weight version and passed to the generate programs, so a bf16 program holds bf16
     weights only, not float32 ones plus a bf16 copy made inside every call."""
-    cast = _cast_state(state, dtype)
+    cast = cast_state(state, dtype)
     return (None if dtype == "float32" else cast), layout.prepare(nnx.merge(graphdef, cast))
 
 
@@ -210,7 +95,7 @@ def _generate(
 ):
     """Prefill + while_loop decode. Returns (tokens, logprobs, lengths, finished, cache)."""
     # Cast the weights once, outside the loop, so the body does not re-cast every step.
-    model = nnx.merge(graphdef, _cast_state(state, dtype))
+    model = nnx.merge(graphdef, cast_state(state, dtype))
     b, p = tokens.shape
     sample = functools.partial(
         sample_step,
@@ -267,37 +152,7 @@ def _generate(
     return out_tok, out_lp, lengths, done, cache
 
 
-def is_typed_key(keys: Any) -> bool:
-    """Typed PRNG keys (jax.random.key), as opposed to raw uint32 key data."""
-    return isinstance(keys, jax.Array) and jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
-
-
-def key_data(keys: Any) -> np.ndarray:
-    """The uint32 key data of typed PRNG keys (any shape; [..., 2] out), or `keys` as it
-    is when it is key data already."""
-    return np.asarray(jax.random.key_data(keys) if is_typed_key(keys) else keys)
-
-
-def _as_keys(keys: jax.Array, n: int) -> jax.Array:
-    """Typed PRNG keys [n] from typed keys [n] or raw uint32 key data [n, 2]."""
-    if is_typed_key(keys):
-        typed = keys
-    else:
-        raw = np.asarray(keys)
-        if raw.dtype != np.uint32 or raw.ndim != 2:
-            raise ValueError(
-                f"keys of dtype {raw.dtype} and shape {raw.shape} are invalid; allowed: typed "
-                "PRNG keys of shape [B] (jax.random.key) or uint32 key data of shape [B, 2]"
-            )
-        typed = jax.random.wrap_key_data(jnp.asarray(raw))
-    if typed.shape != (n,):
-        raise ValueError(
-            f"keys must hold one key per prompt: got shape {typed.shape}, expected ({n},)"
-        )
-    return typed
-
-
-class Sampler:
+class StaticSampler:
     """Compiles one generation program per (batch, prompt, new-token) bucket and settings.
 
     Weights are passed as state (not baked in as constants), so swapping weights never
@@ -311,9 +166,9 @@ class Sampler:
     per generate program; a call over more runs in consecutive parts of at most
     `rows_per_call` rows (each row's tokens do not depend on the others'). 0: no bound.
 
-    `decode_layout`: a name in `tpu_jobs.generate.decode.DECODE_LAYOUTS`; None picks the faster one
+    `decode_layout`: a name in `tpu_jobs.generate.decode_layouts.DECODE_LAYOUTS`; None picks the faster one
     for the model and the platform of the mesh (or the default device): feature_major on
-    CPU for hidden sizes >= 256 (`tpu_jobs.generate.decode.default_layout`). feature_major keeps a
+    CPU for hidden sizes >= 256 (`tpu_jobs.generate.decode_layouts.default_layout`). feature_major keeps a
     transposed copy of the weights it last saw (as much memory again as the weights).
     """
 
@@ -467,19 +322,13 @@ class Sampler:
         model: Transformer | None,
         prompts: list[list[int]],
         keys: jax.Array,
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        dtype: str = "float32",
+        params: SamplingParams,
     ) -> SampleResult:
-        """Sample up to `max_new_tokens` tokens after each prompt (see SampleResult)."""
-        n = len(prompts)
-        if n == 0 or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token lists")
-        check_sampling_args(max_new_tokens, temperature, top_k, top_p, dtype)
-        typed_keys = _as_keys(keys, n)
+        """Sample up to `params.max_new_tokens` tokens after each prompt (SampleResult)."""
+        n = check_prompts(prompts)
+        max_new_tokens, temperature, dtype = params.max_new_tokens, params.temperature, params.dtype
+        top_k, top_p = params.top_k, params.top_p
+        typed_keys = as_keys(keys, n)
         pb = bucket(max(len(p) for p in prompts), self.prompt_buckets)
         nb = bucket(max_new_tokens, self.new_token_buckets)
         rows = self.rows_per_call(n, pb + nb)
@@ -489,11 +338,7 @@ class Sampler:
                     model,
                     prompts[i : i + rows],
                     typed_keys[i : i + rows],
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    top_k=top_k,
-                    top_p=top_p,
-                    dtype=dtype,
+                    params,
                 )
                 for i in range(0, n, rows)
             ]
