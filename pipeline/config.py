@@ -36,6 +36,7 @@ from pipeline.environments.config import EnvironmentConfig
 from pipeline.errors import ConfigError
 from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
+from pipeline.lora import LoraConfig
 from pipeline.mesh import MeshConfig, tensor_size
 from pipeline.paramserver.config import ParamServerConfig
 from pipeline.sandbox.config import SandboxConfig
@@ -604,6 +605,7 @@ class RunConfig:
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     paramserver: ParamServerConfig = field(default_factory=ParamServerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _check(self.seed >= 0, "seed", self.seed, ">= 0")
