@@ -58,8 +58,9 @@ from pipeline.metrics import (
     within_problem_auc,
 )
 from pipeline.paramserver import ParamServer
+from pipeline.paramserver.adapters import PolicyReader
 from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
-from pipeline.run import DONE_KEY, Run, weights_server
+from pipeline.run import DONE_KEY, Run, base_server, weights_server
 from pipeline.tasks import get_task
 from pipeline.tasks.datasets import DATASETS, load_dataset
 from tpu_jobs.generate.episodes import sample_rows
@@ -188,6 +189,8 @@ class Evaluator:
         self.cfg = run.config
         self.log = log
         self.ps = weights_server(run)
+        # A LoRA run's versions are adapters, merged into its base once per version.
+        self.reader = PolicyReader(self.ps, base_server(run))
         self.policy = load_policy(run, "eval", mesh=mesh)
         self.tok, self.model, self.sampler = self.policy.tok, self.policy.model, self.policy.sampler
         self.mesh = self.policy.mesh
@@ -238,7 +241,8 @@ class Evaluator:
 
     def _sample_and_score(self, version: int, server: ParamServer) -> pa.Table:
         ec = self.cfg.eval
-        self.policy.load(server.pull(version))
+        reader = self.reader if server is self.ps else PolicyReader(server, base_server(self.run))
+        self.policy.load(reader.pull(version))
         n = self.n
         rows = [(pi, s) for pi in range(len(self.problems)) for s in range(n)]
         keys = sample_keys(self.cfg.seed, EVAL_STREAM, 0, 0, len(self.problems), n)

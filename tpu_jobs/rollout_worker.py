@@ -56,10 +56,11 @@ from pipeline import failpoints
 from pipeline.environments import make_environment
 from pipeline.leases import BatchLeases
 from pipeline.metrics import tool_use_stats
-from pipeline.paramserver import CorruptSnapshotError, Snapshot, SnapshotNotFoundError
+from pipeline.paramserver import CorruptSnapshotError, SnapshotNotFoundError
+from pipeline.paramserver.adapters import PolicyReader
 from pipeline.problem_sets import check_representable
 from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
-from pipeline.run import DONE_KEY, Run, weights_server
+from pipeline.run import DONE_KEY, Run, base_server, weights_server
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks.judge import judge_context, judge_reward
 from tpu_jobs.generate.episodes import sample_rows
@@ -141,9 +142,9 @@ class RolloutWorker:
         check_representable(self.problems, self.tok, run.config.model.tokenizer, "train set")
         self.env = make_environment(self.cfg.environment)
         self.version: int | None = None
-        # The snapshot of `version` as pulled: the next version is rebuilt from it with
-        # the deltas in between (pipeline/paramserver/).
-        self.held: Snapshot | None = None
+        # Pulls each version (rebuilt from the one held with the deltas in between; a LoRA
+        # run's adapters merged into the base, pipeline.paramserver.adapters).
+        self.reader = PolicyReader(self.ps, base_server(run))
         self._stop = False
         self._refused: int | None = None  # the version last refused, and how often in a row
         self._refusals = 0
@@ -156,9 +157,8 @@ class RolloutWorker:
     def _ensure_version(self, version: int) -> bool:
         if self.version == version:
             return True
-        held = self.held if self.held is not None and self.held.version == self.version else None
         try:
-            snap = self.ps.pull(version, have=held)
+            snap = self.reader.pull(version)
         except (CorruptSnapshotError, SnapshotNotFoundError) as err:
             # Tell the trainer (it republishes the version's exact bits) and back off.
             self.ps.report_refused(version, self.worker_id, str(err))
@@ -172,7 +172,7 @@ class RolloutWorker:
             return False
         self._refused, self._refusals = None, 0
         self.policy.load(snap)
-        self.version, self.held = version, snap
+        self.version = version
         return True
 
     def _generate_round(self, index: int, rnd: int) -> dict[str, Any]:

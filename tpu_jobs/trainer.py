@@ -47,6 +47,7 @@ from pipeline.config import RunConfig
 from pipeline.leases import BatchLeases
 from pipeline.metrics import tool_use_stats
 from pipeline.paramserver import StaleEpochError, UnrecoverableVersionError
+from pipeline.paramserver.adapters import server_base_digest
 from pipeline.paramserver.publishing import Publisher, PublishPolicy
 from pipeline.rollouts import RolloutBatch, required_version
 from pipeline.run import CHECKPOINTS_PREFIX, DONE_KEY, Run, RunError, base_server, weights_server
@@ -57,7 +58,7 @@ from tpu_jobs.learning import checkpoints
 from tpu_jobs.learning.step import Learner
 from tpu_jobs.model import mesh as meshlib
 from tpu_jobs.model.batching import round_up
-from tpu_jobs.model.state import flat_to_params, params_to_flat
+from tpu_jobs.model.state import flat_to_params, params_to_flat, state_to_flat
 
 
 class IntegrityError(RuntimeError):
@@ -81,9 +82,13 @@ class TrainerState:
     failures: int = 0  # refused batches and skipped steps since the last good step
 
 
-def publish_policy(cfg: RunConfig) -> PublishPolicy:
-    """The run's publishing policy (`pipeline.paramserver.publishing`)."""
+def publish_policy(cfg: RunConfig, base_digest: str | None = None) -> PublishPolicy:
+    """The run's publishing policy (`pipeline.paramserver.publishing`); `base_digest`: a
+    LoRA run's base (its versions are adapters, `pipeline.paramserver.adapters`)."""
     pc, tc = cfg.paramserver, cfg.trainer
+    lora = {}
+    if cfg.lora.enabled:
+        lora = {"base_digest": base_digest, "lora_scale": cfg.lora.scale}
     return PublishPolicy(
         dtype=pc.publish_dtype(cfg.sampler.dtype),
         parts=pc.parts(cfg.mesh.sampler),
@@ -93,6 +98,7 @@ def publish_policy(cfg: RunConfig) -> PublishPolicy:
         max_staleness=tc.max_staleness,
         # A lease on a machine whose clock runs behind is still honoured (pipeline.retention).
         clock_skew_s=min(30.0, cfg.rollout.lease_seconds),
+        **lora,
     )
 
 
@@ -105,7 +111,7 @@ class _TrainerCopies:
         self.checkpoints_url = trainer.run.store.url_of("checkpoints/")
 
     def parameters(self) -> dict[str, np.ndarray]:
-        return params_to_flat(self.trainer.learner.fns, self.state.params["policy"])
+        return self.trainer.published_tensors(self.state.params["policy"])
 
     def checkpoint(self, step: int) -> dict[str, np.ndarray] | str:
         trainer = self.trainer
@@ -118,7 +124,9 @@ class _TrainerCopies:
         (params, _), meta = restored
         if meta.get("config_digest") not in trainer.run.config_digests():
             return f"the checkpoint of step {step} was written by another config"
-        return params_to_flat(trainer.learner.fns, params["policy"])
+        if meta.get("base_digest") != trainer.base_digest:
+            return f"the checkpoint of step {step} holds adapters of another base"
+        return trainer.published_tensors(params["policy"])
 
 
 class Trainer:
@@ -144,10 +152,15 @@ class Trainer:
         self.primary = jax.process_index() == 0
         self.ps = weights_server(run)
         self.leases = BatchLeases(run.store, ttl_seconds=self.cfg.rollout.lease_seconds)
+        # LoRA: the base the adapters train on, by digest (pipeline.paramserver.adapters):
+        # named by every version's manifest and every checkpoint. None without LoRA.
+        self.base_digest: str | None = None
+        if self.cfg.lora.enabled:
+            self.base_digest = server_base_digest(base_server(run))[1]
         self.publisher = Publisher(
             self.ps,
             self.leases,
-            publish_policy(self.cfg),
+            publish_policy(self.cfg, self.base_digest),
             meshlib.split_axes,
             log=lambda line: self.log(f"[trainer] {line}"),  # self.log as it is then
         )
@@ -162,6 +175,7 @@ class Trainer:
         self.spec = self.learner.spec
         self.prompt_len = prompt_len
         self.ref_params = None  # the frozen base model, when a KL term needs it
+        self.frozen = None  # LoRA: the frozen base the adapters are trained on
         self._template = self.learner.template
         self.ckpt = checkpoints.TrainerCheckpoints(
             run, keep=self.cfg.trainer.keep_checkpoints, log=log
@@ -179,6 +193,12 @@ class Trainer:
                     f"checkpoint at step {meta.get('step')} was written by another config "
                     f"({meta.get('config_digest')} != {self.cfg.digest()}); use a new run"
                 )
+            if meta.get("base_digest") != self.base_digest:
+                raise RunError(
+                    f"checkpoint at step {meta.get('step')} holds LoRA adapters of base "
+                    f"{meta.get('base_digest')}, but the run's base/ is {self.base_digest}; "
+                    "restore the base it was trained on, or start a new run"
+                )
             self.log(f"[trainer] resumed from checkpoint at step {meta['step']}")
             return TrainerState(
                 params,
@@ -195,13 +215,19 @@ class Trainer:
         base = base_server(self.run)
         if base.latest_version() is None:
             raise RunError(_no_start_message(self.run))
-        params, opt_state = self.learner.init_state(self._base_params())
+        if self.learner.lora is None:
+            params, opt_state = self.learner.init_state(self._base_params())
+        else:  # fresh adapters (B = 0): version 0 is the base itself
+            params, opt_state = self.learner.init_state(self.learner.new_policy(self.cfg.seed))
         self.log(f"[trainer] starting from the base model ({base.store.url})")
         return TrainerState(params, opt_state)
 
     def _base_params(self):
+        """The base model's params (the whole policy's; LoRA: the frozen base's state)."""
         base = base_server(self.run)
         snap = base.pull(base.latest_version())
+        if self.learner.lora is not None:
+            return self.learner.frozen_base(snap.tensors)  # its own buffers (a dtype cast)
         params = flat_to_params(self.learner.fns, self._template[0]["policy"], snap.tensors)
         # Own buffers: arrays made from one (cached) snapshot may alias host memory, and the
         # train state is donated to the step while the reference copy must stay alive.
@@ -216,11 +242,17 @@ class Trainer:
             return
         self.publisher.publish(
             version,
-            params_to_flat(self.learner.fns, policy),
+            self.published_tensors(policy),
             epoch=epoch,
             step=state.step,
             next_batch=state.next_batch,
         )
+
+    def published_tensors(self, policy: Any) -> dict[str, np.ndarray]:
+        """The flat host tensors a version holds: the policy's, or a LoRA run's adapters."""
+        if self.learner.lora is not None:
+            return state_to_flat(policy)
+        return params_to_flat(self.learner.fns, policy)
 
     @staticmethod
     def _tool_use(batch: RolloutBatch) -> dict[str, Any]:
@@ -370,7 +402,11 @@ class Trainer:
         else:
             self.log(f"[trainer] process {jax.process_index()}: process 0 takes the epoch")
         state = self.restore_or_init()
-        if self.learner.needs_ref:
+        if self.learner.lora is not None:
+            # The reference of KL terms is the base with the adapters off: the same arrays.
+            self.frozen = self._base_params()
+            self.ref_params = self.frozen if self.learner.needs_ref else None
+        elif self.learner.needs_ref:
             self.ref_params = self._base_params()
         if state.step % tc.publish_every == 0:
             self._publish(state, epoch)  # v0, or a re-publish a crash may have missed
@@ -401,7 +437,7 @@ class Trainer:
                 continue
             inputs = self.learner.inputs(batch, self.pad_id)
             state.params, state.opt_state, metrics = self.learner.step(
-                state.params, state.opt_state, self.ref_params, inputs
+                state.params, state.opt_state, self.ref_params, inputs, self.frozen
             )
             if metrics["nonfinite_updates"]:
                 # The guard kept the params; the step is not taken, nothing is published or
@@ -471,6 +507,8 @@ class Trainer:
         return state
 
     def _meta(self, state: TrainerState, epoch: int) -> dict[str, Any]:
+        # A LoRA checkpoint names the base its adapters need (refused on another base).
+        lora = {} if self.base_digest is None else {"base_digest": self.base_digest}
         return {
             "step": state.step,
             "next_batch": state.next_batch,
@@ -482,6 +520,7 @@ class Trainer:
             "nonfinite_steps": state.nonfinite_steps,
             "epoch": epoch,
             "config_digest": self.cfg.digest(),
+            **lora,
         }
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from pipeline import weight_codec
 from pipeline.leases import BatchLeases
+from pipeline.paramserver.adapters import adapter_metadata
 from pipeline.paramserver.errors import (
     CorruptSnapshotError,
     SnapshotNotFoundError,
@@ -63,6 +64,8 @@ class PublishPolicy:
     keep_versions: versions retention keeps besides the protected ones; 0: keep all.
     max_staleness: how many versions old a batch may be: which versions are still needed.
     clock_skew_s: how far a lease holder's clock may run behind (retention).
+    base_digest: a LoRA run's: its versions are adapters of the base with this digest
+    (`pipeline.paramserver.adapters`), recorded in every manifest with `lora_scale`.
     """
 
     dtype: str
@@ -72,6 +75,8 @@ class PublishPolicy:
     keep_versions: int
     max_staleness: int
     clock_skew_s: float
+    base_digest: str | None = None
+    lora_scale: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in weight_codec.PUBLISH_DTYPES:
@@ -128,6 +133,10 @@ class Publisher:
         # The last version published here (its tensors as published): the base of the next
         # delta. None: pull it back from the store when a delta needs it.
         self._published: Snapshot | None = None
+        # Every manifest of a LoRA run names its base (written and repaired versions alike).
+        self._metadata = {}
+        if policy.base_digest is not None:
+            self._metadata = adapter_metadata(policy.base_digest, policy.lora_scale)
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self, version: int, tensors: dict[str, np.ndarray]) -> Snapshot:
@@ -171,7 +180,7 @@ class Publisher:
             wrote = self.ps.publish_snapshot(
                 snap,
                 epoch=epoch,
-                metadata={"step": step},
+                metadata={"step": step, **self._metadata},
                 base=base,
                 full=full,
                 full_every=policy.full_every,
@@ -290,7 +299,11 @@ class Publisher:
             snap,
             epoch=epoch,
             base=base,
-            metadata={"step": version * policy.publish_every, "repaired": why},
+            metadata={
+                "step": version * policy.publish_every,
+                "repaired": why,
+                **self._metadata,
+            },
             full_every=policy.full_every,
         )
         if self._published is not None and self._published.version == version:

@@ -50,6 +50,7 @@ import optax
 from flax import nnx
 
 from pipeline.config import ModelConfig, RunConfig
+from pipeline.lora import LoraConfig
 from pipeline.rollouts import RolloutBatch
 from pipeline.tokenizer import Tokenizer, get_tokenizer
 from tpu_jobs.learning.losses import (
@@ -68,7 +69,14 @@ from tpu_jobs.learning.value_head import init_value_head, packed_policy_forward,
 from tpu_jobs.model import mesh as meshlib
 from tpu_jobs.model.batching import pack_rows, pad_values
 from tpu_jobs.model.judge import judged_completion_len
-from tpu_jobs.model.state import make_optimizer, new_model, split_model
+from tpu_jobs.model.state import (
+    flat_to_state,
+    make_optimizer,
+    new_lora_model,
+    new_model,
+    split_lora,
+    split_model,
+)
 from tpu_jobs.model.transformer import init_model
 
 sg = jax.lax.stop_gradient
@@ -134,18 +142,24 @@ class ModelPrograms:
         temperature: float,
         values: bool,
         entropy: bool,
+        lora: LoraConfig | None = None,
     ) -> None:
-        abstract = nnx.eval_shape(lambda: init_model(model_cfg, 0))
-        self.fns, _ = split_model(abstract)
-        fns, p = self.fns, prompt_len
+        # The reference (KL terms) is the model without adapters: with LoRA, the frozen base
+        # itself (no second copy), merged into the graph of the plain model.
+        self.ref_fns, _ = split_model(nnx.eval_shape(lambda: init_model(model_cfg, 0)))
+        self.fns = self.ref_fns
+        if lora is not None and lora.enabled:
+            self.fns, _, _ = split_lora(nnx.eval_shape(lambda: init_model(model_cfg, 0, lora)))
+        fns, ref_fns, p = self.fns, self.ref_fns, prompt_len
 
         # Only the completion's log-probs are taken (`first=p`): the LM head, in chunks of
         # model_cfg.logits_chunk tokens, never runs on the prompt positions. `packing`
         # (`tpu_jobs.learning.packing`, trainer.pack): the same outputs from packed rows.
-        def outputs(params, tokens, mask, packing=None):
+        # `frozen`: the frozen base of a LoRA run (params["policy"] are its adapters).
+        def outputs(params, tokens, mask, packing=None, frozen=None):
             if packing is not None:
                 out = packed_policy_forward(
-                    fns.merge(params["policy"]),
+                    fns.merge(params["policy"], frozen),
                     packing,
                     mask[:, p:],
                     temperature,
@@ -156,7 +170,7 @@ class ModelPrograms:
             if values or entropy:
                 return tuple(
                     policy_forward(
-                        fns.merge(params["policy"]),
+                        fns.merge(params["policy"], frozen),
                         tokens,
                         mask,
                         temperature,
@@ -165,18 +179,20 @@ class ModelPrograms:
                         first=p,
                     )
                 )
-            return fns.logprobs(params["policy"], tokens, mask, temperature, first=p), None, None
+            logp = fns.logprobs(params["policy"], tokens, mask, temperature, first=p, base=frozen)
+            return logp, None, None
 
-        def forward_vjp(params, tokens, mask, packing=None):
-            return jax.vjp(lambda prm: outputs(prm, tokens, mask, packing), params)
+        def forward_vjp(params, tokens, mask, packing=None, frozen=None):
+            # Differentiated w.r.t. params only: the frozen base gets no gradient buffers.
+            return jax.vjp(lambda prm: outputs(prm, tokens, mask, packing, frozen), params)
 
         def ref_logp(ref_params, tokens, mask, packing=None):
             if packing is not None:
                 out = packed_policy_forward(
-                    fns.merge(ref_params), packing, mask[:, p:], temperature
+                    ref_fns.merge(ref_params), packing, mask[:, p:], temperature
                 )
                 return sg(out.logp)
-            return sg(fns.logprobs(ref_params, tokens, mask, temperature, first=p))
+            return sg(ref_fns.logprobs(ref_params, tokens, mask, temperature, first=p))
 
         # Unjitted, for callers composing their own programs (the fused step).
         self.outputs, self.ref_outputs = outputs, ref_logp
@@ -188,9 +204,14 @@ class ModelPrograms:
 
 @functools.lru_cache(maxsize=8)
 def model_programs(
-    model_cfg: ModelConfig, prompt_len: int, temperature: float, values: bool, entropy: bool
+    model_cfg: ModelConfig,
+    prompt_len: int,
+    temperature: float,
+    values: bool,
+    entropy: bool,
+    lora: LoraConfig | None = None,
 ) -> ModelPrograms:
-    return ModelPrograms(model_cfg, prompt_len, temperature, values, entropy)
+    return ModelPrograms(model_cfg, prompt_len, temperature, values, entropy, lora)
 
 
 def _head_loss(spec: LossSpec, group_size: int, recompute: bool):
@@ -402,12 +423,16 @@ class Learner:
         self.recompute = tc.old_logprobs == "recompute"
         self.updates_per_step = tc.mini_batches * tc.epochs
         self.single = self.updates_per_step == 1 and self.micro_rows == self.rows
+        # LoRA (`lora.rank` > 0): the train params' policy is the adapters; the frozen base
+        # is passed to each step beside them (`step(..., frozen=)`) and is the reference.
+        self.lora = cfg.lora if cfg.lora.enabled else None
         self.programs = model_programs(
             cfg.model,
             prompt_len,
             float(cfg.sampler.temperature),
             self.uses_values,
             self.needs_entropy,
+            self.lora,
         )
         self.fns = self.programs.fns
         self._grad_head, self._prepare = head_programs(self.spec, self.group_size, self.recompute)
@@ -420,8 +445,13 @@ class Learner:
             tc.grad_clip,
             tc.value_lr_mult if self.uses_values else 1.0,
         )
+        # The frozen base's shapes and dtypes (LoRA; None otherwise): `flat_to_state` of the
+        # base snapshot gives the `frozen` argument of `step`.
+        self.base_template = None
+        if self.lora is not None:
+            self.base_template = jax.eval_shape(lambda: new_lora_model(cfg.model, self.lora, 0)[2])
         if abstract:  # shapes only, nothing allocated: for compiling (benchmarks/memory.py)
-            self.template = jax.eval_shape(lambda: self.init_params(new_model(cfg.model, 0)[1]))
+            self.template = jax.eval_shape(lambda: self.init_params(self.new_policy(0)))
             self.template = self.template, jax.eval_shape(self.tx.init, self.template)
             if mesh is not None:  # the shapes carry the placement `place` would give
                 self.template = jax.tree.map(
@@ -430,8 +460,7 @@ class Learner:
                     meshlib.tree_shardings(self.template, mesh),
                 )
         else:
-            _, policy = new_model(cfg.model, cfg.seed)
-            self.template = self.init_state(policy)
+            self.template = self.init_state(self.new_policy(cfg.seed))
         if mesh is not None:
             # Updated state keeps the placement of `place` (XLA would otherwise pick output
             # shardings, e.g. split the norm weights over fsdp, and drift step by step).
@@ -444,16 +473,23 @@ class Learner:
                 donate_argnums=(0, 1),
             )
 
+    def new_policy(self, seed: int) -> Any:
+        """The policy's trainable params at init: the whole model's, or (LoRA) its adapters
+        (A random, B zero: the adapted model is the base)."""
+        if self.lora is None:
+            return new_model(self.cfg.model, seed)[1]
+        return new_lora_model(self.cfg.model, self.lora, seed)[1]
+
     def _fused_fn(self, loss, apply_fn):
         outputs, ref_outputs = self.programs.outputs, self.programs.ref_outputs
 
-        def step(params, opt_state, ref_params, inp: StepInputs, packing: Packing | None):
+        def step(params, opt_state, ref_params, inp: StepInputs, packing: Packing | None, frozen):
             logp_ref = None
             if ref_params is not None:
                 logp_ref = ref_outputs(ref_params, inp.tokens, inp.mask, packing)
 
             def f(prm):
-                outs = outputs(prm, inp.tokens, inp.mask, packing)
+                outs = outputs(prm, inp.tokens, inp.mask, packing, frozen)
                 return loss(outs, inp, None, logp_ref, None)
 
             (value, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
@@ -500,17 +536,32 @@ class Learner:
         packing = pack(np.asarray(inp.tokens), np.asarray(inp.mask), self.completion_len, multiple)
         return self._place_batch(Packing(*(jnp.asarray(x) for x in packing)))
 
-    def _grads(self, params, inp: StepInputs, pre: Prepared | None, logp_ref, norm, packing):
-        outs, vjp_fn = self.programs.forward_vjp(params, inp.tokens, inp.mask, packing)
+    def _grads(
+        self, params, inp: StepInputs, pre: Prepared | None, logp_ref, norm, packing, frozen
+    ):
+        outs, vjp_fn = self.programs.forward_vjp(params, inp.tokens, inp.mask, packing, frozen)
         metrics, cot = self._grad_head(outs, inp, pre, logp_ref, norm)
         return self.programs.backward(vjp_fn, cot), metrics
 
-    def step(self, params, opt_state, ref_params, inp: StepInputs):
-        """One trainer step on one batch: (params, opt_state, {metric: float})."""
+    def step(self, params, opt_state, ref_params, inp: StepInputs, frozen: Any = None):
+        """One trainer step on one batch: (params, opt_state, {metric: float}). `frozen`:
+        the frozen base of a LoRA run (`frozen_base`; also its `ref_params`), else None."""
+        if (frozen is None) != (self.lora is None):
+            raise ValueError(
+                f"lora.rank={self.cfg.lora.rank}: Learner.step needs frozen= "
+                + ("the frozen base (Learner.frozen_base)" if self.lora else "None")
+            )
         with self.under_mesh():
-            return self._step(params, opt_state, ref_params, inp)
+            return self._step(params, opt_state, ref_params, inp, frozen)
 
-    def _step(self, params, opt_state, ref_params, inp: StepInputs):
+    def frozen_base(self, flat: dict[str, np.ndarray]) -> Any:
+        """The frozen base of a LoRA run from the base snapshot's flat tensors, in
+        `lora.base_dtype`, placed on the trainer mesh when there is one."""
+        if self.lora is None:
+            raise ValueError("frozen_base is for LoRA runs (lora.rank > 0)")
+        return self.place(flat_to_state(self.base_template, flat))
+
+    def _step(self, params, opt_state, ref_params, inp: StepInputs, frozen):
         host = inp  # as given (host arrays from `inputs`): what packing reads
         packing = self._pack(host)  # the whole batch's, for the whole-batch programs
         inp = self._place_batch(StepInputs(*(jnp.asarray(x) for x in inp)))
@@ -519,14 +570,16 @@ class Learner:
             logp_ref = self.programs.ref_logp(ref_params, inp.tokens, inp.mask, packing)
         if self.fused:
             ref = ref_params if self.needs_ref else None
-            params, opt_state, metrics = self._fused_step(params, opt_state, ref, inp, packing)
+            params, opt_state, metrics = self._fused_step(
+                params, opt_state, ref, inp, packing, frozen
+            )
             return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
         if self.single:
-            grads, metrics = self._grads(params, inp, None, logp_ref, None, packing)
+            grads, metrics = self._grads(params, inp, None, logp_ref, None, packing, frozen)
             params, opt_state, metrics["grad_norm"], finite = self._apply(params, opt_state, grads)
             metrics["nonfinite_updates"] = 1.0 - finite.astype(jnp.float32)
             return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
-        outs = self.programs.forward(params, inp.tokens, inp.mask, packing)
+        outs = self.programs.forward(params, inp.tokens, inp.mask, packing, frozen)
         pre, pre_metrics = self._prepare(outs, inp, logp_ref)
         tc = self.cfg.trainer
         # Each micro-batch is packed once per step (its rows are the same every epoch).
@@ -554,6 +607,7 @@ class Learner:
                         None,
                         norm,
                         micro_packings.get(m0),
+                        frozen,
                     )
                     grads = g if grads is None else _add_trees(grads, g)
                     parts.append(jax.device_get(m))

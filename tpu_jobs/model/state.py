@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
 from pipeline.config import ModelConfig
+from pipeline.lora import LoraConfig
 from tpu_jobs.model.transformer import (
     Transformer,
     flat_params,
@@ -26,13 +28,15 @@ from tpu_jobs.model.transformer import (
 
 @dataclass
 class ModelFns:
-    """A model split into a static graph and a parameter pytree."""
+    """A model split into a static graph and a parameter pytree. With LoRA adapters
+    (`split_lora`) the pytree is the adapters' and `base` the frozen rest of the params."""
 
     graphdef: Any
     rest: tuple[Any, ...]
 
-    def merge(self, params: Any) -> Transformer:
-        return nnx.merge(self.graphdef, params, *self.rest)
+    def merge(self, params: Any, base: Any = None) -> Transformer:
+        frozen = () if base is None else (base,)
+        return nnx.merge(self.graphdef, params, *frozen, *self.rest)
 
     def logprobs(
         self,
@@ -42,9 +46,12 @@ class ModelFns:
         temperature: float = 1.0,
         *,
         first: int = 0,
+        base: Any = None,
     ) -> jax.Array:
-        """`model.sequence_logprobs` of the model with `params` (columns first..)."""
-        return sequence_logprobs(self.merge(params), tokens, mask, temperature, first=first)
+        """`model.sequence_logprobs` of the model with `params` (and the frozen `base` of a
+        LoRA split) (columns first..)."""
+        model = self.merge(params, base)
+        return sequence_logprobs(model, tokens, mask, temperature, first=first)
 
 
 def split_model(model: Transformer) -> tuple[ModelFns, Any]:
@@ -54,6 +61,50 @@ def split_model(model: Transformer) -> tuple[ModelFns, Any]:
 
 def new_model(cfg: ModelConfig, seed: int) -> tuple[ModelFns, Any]:
     return split_model(init_model(cfg, seed))
+
+
+def split_lora(model: Transformer) -> tuple[ModelFns, Any, Any]:
+    """(functions, adapters, frozen base) of a model with LoRA adapters: the split by
+    `nnx.LoRAParam`, so gradients and optimizer state exist for the adapters only."""
+    graphdef, adapters, base, *rest = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
+    return ModelFns(graphdef, tuple(rest)), adapters, base
+
+
+def new_lora_model(cfg: ModelConfig, lora: LoraConfig, seed: int) -> tuple[ModelFns, Any, Any]:
+    return split_lora(init_model(cfg, seed, lora))
+
+
+def state_to_flat(state: Any) -> dict[str, np.ndarray]:
+    """{dotted name: host array} of a parameter state (an `nnx.State`, e.g. the adapters of
+    `split_lora`): the names `flat_params` gives the same tensors in the whole model."""
+    return {
+        ".".join(str(p) for p in path): np.asarray(jax.device_get(var[...]))
+        for path, var in nnx.to_flat_state(state)
+    }
+
+
+def flat_to_state(state_like: Any, flat: dict[str, np.ndarray]) -> Any:
+    """A new state shaped as `state_like` (arrays or `jax.ShapeDtypeStruct`s) with the
+    values of `flat` cast to each leaf's dtype; ValueError naming the missing, unexpected
+    and mis-shaped tensors."""
+    leaves = [
+        (".".join(str(p) for p in path), path, var) for path, var in nnx.to_flat_state(state_like)
+    ]
+    want = {name: tuple(var.shape) for name, _, var in leaves}
+    missing, unexpected = sorted(set(want) - set(flat)), sorted(set(flat) - set(want))
+    misshaped = [
+        f"{k}: got {tuple(np.shape(flat[k]))}, expected {want[k]}"
+        for k in sorted(set(want) & set(flat))
+        if tuple(np.shape(flat[k])) != want[k]
+    ]
+    if missing or unexpected or misshaped:
+        raise ValueError(
+            f"the tensors do not match the state: missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]}, mis-shaped {misshaped[:4]}"
+        )
+    return nnx.from_flat_state(
+        [(path, var.replace(jnp.asarray(flat[name], var.dtype))) for name, path, var in leaves]
+    )
 
 
 def params_to_flat(fns: ModelFns, params: Any) -> dict[str, np.ndarray]:

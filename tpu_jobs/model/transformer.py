@@ -44,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 from pipeline.config import ModelConfig
+from pipeline.lora import LoraConfig
 from tpu_jobs.model.constraints import constrain
 from tpu_jobs.model.lm_head import head_logits, token_logprobs
 
@@ -154,15 +155,56 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32))
 
 
-class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel stored [in, out] (HF's weight transposed)."""
+@dataclass(frozen=True)
+class Adapters:
+    """How the model's projections carry LoRA adapters (`pipeline.lora`): the run's `lora`
+    section and the key stream of the adapters' initialisation (apart from the base's, so a
+    base initialised with the same seed is the same with or without adapters)."""
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float, rngs: nnx.Rngs):
+    cfg: LoraConfig
+    rngs: nnx.Rngs
+
+    def rank(self, target: str) -> int:
+        return self.cfg.rank if target in self.cfg.targets else 0
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel stored [in, out] (HF's weight transposed).
+
+    With a LoRA rank > 0 it also holds `lora_a` [in, rank] and `lora_b` [rank, out] as
+    `nnx.LoRAParam` (a `Param` subtype: the trainer splits them from the frozen base by that
+    type, `tpu_jobs.model.state.split_lora`) and adds `scale * (x @ lora_a) @ lora_b`
+    (`pipeline.lora`'s contract). Unmerged on purpose: the base stays frozen and shared with
+    the KL reference. A is uniform in +-1/sqrt(in) (PEFT's kaiming_uniform(a=sqrt(5))), B is
+    zero, so a fresh adapter leaves the base's output unchanged."""
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        bias: bool,
+        std: float,
+        rngs: nnx.Rngs,
+        lora: Adapters | None = None,
+        target: str = "",
+    ):
         self.kernel = _normal(rngs, (d_in, d_out), std)
         self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32)) if bias else None
+        rank = 0 if lora is None else lora.rank(target)
+        a = b = None
+        if rank:
+            bound = 1.0 / math.sqrt(d_in)
+            a = jax.random.uniform(lora.rngs.params(), (d_in, rank), jnp.float32, -bound, bound)
+            a, b = nnx.LoRAParam(a), nnx.LoRAParam(jnp.zeros((rank, d_out), jnp.float32))
+        self.lora_a, self.lora_b = a, b
+        self.lora_scale = lora.cfg.scale if rank else 0.0
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...].astype(x.dtype)
+        if self.lora_a is not None:
+            low = x @ self.lora_a[...].astype(x.dtype)
+            y = y + self.lora_scale * (low @ self.lora_b[...].astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
         return y
@@ -186,13 +228,14 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: Adapters | None = None):
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         out_std = INIT_STD / math.sqrt(2 * cfg.num_layers)  # GPT-2 style residual scaling
-        self.q_proj = Linear(h, nh * hd, bias=cfg.qkv_bias, std=INIT_STD, rngs=rngs)
-        self.k_proj = Linear(h, nkv * hd, bias=cfg.qkv_bias, std=INIT_STD, rngs=rngs)
-        self.v_proj = Linear(h, nkv * hd, bias=cfg.qkv_bias, std=INIT_STD, rngs=rngs)
-        self.o_proj = Linear(nh * hd, h, bias=False, std=out_std, rngs=rngs)
+        qkv = {"bias": cfg.qkv_bias, "std": INIT_STD, "rngs": rngs, "lora": lora}
+        self.q_proj = Linear(h, nh * hd, **qkv, target="q")
+        self.k_proj = Linear(h, nkv * hd, **qkv, target="k")
+        self.v_proj = Linear(h, nkv * hd, **qkv, target="v")
+        self.o_proj = Linear(nh * hd, h, bias=False, std=out_std, rngs=rngs, lora=lora, target="o")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -418,12 +461,13 @@ ATTENTION: dict[str, Callable[..., jax.Array]] = {
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: Adapters | None = None):
         h, i = cfg.hidden_size, cfg.intermediate_size
         out_std = INIT_STD / math.sqrt(2 * cfg.num_layers)
-        self.gate_proj = Linear(h, i, bias=False, std=INIT_STD, rngs=rngs)
-        self.up_proj = Linear(h, i, bias=False, std=INIT_STD, rngs=rngs)
-        self.down_proj = Linear(i, h, bias=False, std=out_std, rngs=rngs)
+        common = {"bias": False, "rngs": rngs, "lora": lora}
+        self.gate_proj = Linear(h, i, std=INIT_STD, **common, target="gate")
+        self.up_proj = Linear(h, i, std=INIT_STD, **common, target="up")
+        self.down_proj = Linear(i, h, std=out_std, **common, target="down")
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = constrain(self.gate_proj(x), "batch", None, "mlp")
@@ -432,11 +476,11 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: Adapters | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rngs=rngs)
+        self.self_attn = Attention(cfg, rngs=rngs, lora=lora)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs, lora=lora)
 
     def __call__(self, x, cos, sin, visible, cache_kv, segments=None):
         attn, new_cache = self.self_attn(
@@ -448,12 +492,15 @@ class DecoderLayer(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Llama/Qwen2/Qwen3-style causal LM. See the module docstring for parameter names."""
+    """Llama/Qwen2/Qwen3-style causal LM. See the module docstring for parameter names;
+    `lora`: adapters on the target projections (`Linear`)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: Adapters | None = None):
         self.cfg = cfg
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, rngs=rngs, lora=lora) for _ in range(cfg.num_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_embeddings:
             self.lm_head = None
@@ -593,9 +640,29 @@ def _remat_layers(layers, x, cos, sin, visible, policy, segments=None) -> jax.Ar
 # --------------------------------------------------------------------------- helpers
 
 
-def init_model(cfg: ModelConfig, seed: int) -> Transformer:
-    """A freshly initialised model; identical parameters for the same (cfg, seed)."""
-    return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+# Folded into the seed for the adapters' initialisation: its own key stream.
+LORA_STREAM = 0x10A
+
+
+def init_model(cfg: ModelConfig, seed: int, lora: LoraConfig | None = None) -> Transformer:
+    """A freshly initialised model; identical parameters for the same (cfg, seed).
+
+    `lora` (enabled): adapters on its target projections (`Linear`), initialised from their
+    own key stream, so the base is the model `init_model(cfg, seed)` gives; the base (every
+    `nnx.Param` that is not a `nnx.LoRAParam`) is stored in `lora.base_dtype`."""
+    if lora is None or not lora.enabled:
+        return Transformer(cfg, rngs=nnx.Rngs(params=seed))
+    key = jax.random.fold_in(jax.random.key(seed), LORA_STREAM)
+    adapters = Adapters(lora, nnx.Rngs(params=key))
+    model = Transformer(cfg, rngs=nnx.Rngs(params=seed), lora=adapters)
+    base_dtype = _dtype(lora.base_dtype)
+    for _, var in nnx.to_flat_state(nnx.state(model, BASE_PARAMS)):
+        var.set_value(var[...].astype(base_dtype))
+    return model
+
+
+# The frozen base of a model with adapters: every parameter that is not an adapter.
+BASE_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
 
 
 def param_count(cfg: ModelConfig) -> int:
