@@ -42,6 +42,7 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 
 def describe(err: BaseException) -> str | None:
     """One line for an expected error; None for a bug (it keeps its traceback)."""
+    from pipeline.paramserver.adapters import BaseMismatchError
     from pipeline.run import RunError
 
     if isinstance(err, ArgumentError):
@@ -50,7 +51,7 @@ def describe(err: BaseException) -> str | None:
         return f"config error: {err}"
     if isinstance(err, StorageUrlError):
         return f"bad storage URL: {err}"
-    if isinstance(err, RunError):
+    if isinstance(err, (RunError, BaseMismatchError)):  # names both digests, what to do
         return str(err)
     if isinstance(err, SandboxError):  # names the sandbox or service, and what to do
         return f"sandbox error: {err}"

@@ -158,7 +158,7 @@ class RolloutWorker:
         if self.version == version:
             return True
         try:
-            snap = self.reader.pull(version)
+            snap = self.reader.pull(version, held=self.version)
         except (CorruptSnapshotError, SnapshotNotFoundError) as err:
             # Tell the trainer (it republishes the version's exact bits) and back off.
             self.ps.report_refused(version, self.worker_id, str(err))

@@ -82,7 +82,7 @@ class PolicyReader:
     """The weights a sampling role samples with, version by version (module doc).
 
     `ps`: the run's weights; `base`: its base server, read once, on the first adapter
-    version. Each `pull` rebuilds from the snapshot held from the previous one (deltas)."""
+    version."""
 
     def __init__(self, ps: ParamServer, base: ParamServer) -> None:
         self.ps, self.base = ps, base
@@ -90,11 +90,14 @@ class PolicyReader:
         self._base: Snapshot | None = None
         self._base_digest: str | None = None
 
-    def pull(self, version: int) -> Snapshot:
+    def pull(self, version: int, held: int | None = None) -> Snapshot:
         """The weights of `version`, full: the stored snapshot, or the held base with the
-        version's adapters merged. Raises what `ParamServer.pull` raises, and
-        BaseMismatchError when the adapters need a base this reader does not hold."""
-        snap = self.ps.pull(version, have=self._held)
+        version's adapters merged. `held`: the version the caller holds now (its snapshot,
+        kept here, is rebuilt from with the deltas in between; None: from the anchor).
+        Raises what `ParamServer.pull` raises, and BaseMismatchError when the adapters need
+        a base this reader does not hold."""
+        have = self._held if self._held is not None and self._held.version == held else None
+        snap = self.ps.pull(version, have=have)
         meta = snap.metadata or {}
         if BASE_DIGEST not in meta:
             self._held = snap

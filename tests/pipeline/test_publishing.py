@@ -18,6 +18,14 @@ import pytest
 
 from pipeline.leases import BatchLeases
 from pipeline.paramserver import ParamServer, UnrecoverableVersionError
+from pipeline.paramserver.adapters import (
+    BASE_DIGEST,
+    LORA_SCALE,
+    BaseMismatchError,
+    PolicyReader,
+    base_digest,
+    server_base_digest,
+)
 from pipeline.paramserver.publishing import Publisher, PublishPolicy
 from pipeline.storage import LocalStore
 
@@ -246,6 +254,133 @@ def test_retention_after_publish_keeps_the_newest_and_the_pending_versions(tmp_p
     # Last pass: next_batch=10 pins v4 (10 // 2 - 1) up to v5; the newest two are v4, v5.
     assert pub.ps.versions() == [4, 5]
     assert lines[-1] == "retention deleted v[3], kept v[4, 5]"
+
+
+# --------------------------------------------------------------------------------------
+# LoRA runs: adapter-only versions naming their base (pipeline.paramserver.adapters)
+# --------------------------------------------------------------------------------------
+
+SCALE = 2.0  # alpha / rank
+
+
+def base_tensors(bump: float = 0.0) -> dict[str, np.ndarray]:
+    """A base of two target kernels and a norm (the flat names of the model's)."""
+    rng = np.random.default_rng(7)
+    return {
+        "layers.0.self_attn.q_proj.kernel": rng.standard_normal((6, 4)).astype(np.float32),
+        "layers.0.mlp.down_proj.kernel": rng.standard_normal((5, 6)).astype(np.float32),
+        "norm.weight": np.ones(6, np.float32) + np.float32(bump),
+    }
+
+
+def adapter_tensors(version: int) -> dict[str, np.ndarray]:
+    """Rank-2 adapters at `version`: B = 0 at version 0 (the base), then small steps."""
+    rng = np.random.default_rng(3)
+    step = np.float32(1e-2 * version)
+    return {
+        "layers.0.self_attn.q_proj.lora_a": rng.standard_normal((6, 2)).astype(np.float32),
+        "layers.0.self_attn.q_proj.lora_b": np.full((2, 4), step, np.float32),
+        "layers.0.mlp.down_proj.lora_a": rng.standard_normal((5, 2)).astype(np.float32),
+        "layers.0.mlp.down_proj.lora_b": np.full((2, 6), -step, np.float32),
+    }
+
+
+def merged_by_hand(version: int) -> dict[str, np.ndarray]:
+    """kernel + scale * A @ B in float64, rounded to float32: an independent reference."""
+    base, ad = base_tensors(), adapter_tensors(version)
+    out = dict(base)
+    for module in ("layers.0.self_attn.q_proj", "layers.0.mlp.down_proj"):
+        a, b = ad[module + ".lora_a"].astype(np.float64), ad[module + ".lora_b"]
+        out[module + ".kernel"] = (base[module + ".kernel"] + SCALE * a @ b).astype(np.float32)
+    return out
+
+
+def make_lora(tmp_path: Path, base: dict[str, np.ndarray] | None = None, **policy):
+    """(publisher of a LoRA run, the run's base server) with `base` published as base/ v0."""
+    store = LocalStore(tmp_path / "run")
+    base_ps = ParamServer(store.child("base/"))
+    base_ps.publish(0, base or base_tensors(), epoch=base_ps.acquire_epoch())
+    digest = server_base_digest(base_ps)[1]
+    lora = {"base_digest": digest, "lora_scale": SCALE}
+    pub, _ = make(tmp_path, **lora, **policy)
+    return pub, base_ps
+
+
+def test_the_base_digest_follows_the_bits_not_the_publish(tmp_path):
+    """Same tensors published again (another epoch, attempt, time): the same digest; one
+    element changed: another."""
+    digests = []
+    for name, bump, epochs in (("a", 0.0, 1), ("b", 0.0, 3), ("c", 1e-3, 1)):
+        ps = ParamServer(LocalStore(tmp_path / name))
+        for _ in range(epochs):
+            epoch = ps.acquire_epoch()
+        ps.publish(0, base_tensors(bump), epoch=epoch)
+        digests.append(base_digest(ps.manifest(0)))
+    assert digests[0] == digests[1] != digests[2]
+    assert all(d.startswith("sha256:") and len(d) == 7 + 64 for d in digests)
+
+
+def test_adapter_versions_name_their_base_and_workers_merge_them(tmp_path):
+    pub, base_ps = make_lora(tmp_path)
+    epoch = pub.ps.acquire_epoch()
+    for v in range(3):
+        pub.publish(v, adapter_tensors(v), epoch=epoch, step=v, next_batch=v)
+    reader = PolicyReader(ParamServer(pub.ps.store), base_ps)
+    for v in range(3):
+        manifest = pub.ps.manifest(v)
+        assert manifest["metadata"][BASE_DIGEST] == server_base_digest(base_ps)[1]
+        assert manifest["metadata"][LORA_SCALE] == SCALE
+        assert sorted(t["name"] for t in manifest["tensors"]) == sorted(adapter_tensors(v))
+        got = reader.pull(v, held=v - 1 if v else None).tensors
+        want = merged_by_hand(v)
+        assert sorted(got) == sorted(want)
+        for name in want:  # float32 sums of rank-2 products: a few ulps
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6)
+    assert_bits(PolicyReader(pub.ps, base_ps).pull(0).tensors, base_tensors())  # v0 = base
+
+
+def test_a_worker_refuses_adapters_of_another_base_naming_both_digests(tmp_path):
+    pub, _ = make_lora(tmp_path)
+    pub.publish(0, adapter_tensors(0), epoch=pub.ps.acquire_epoch(), step=0, next_batch=0)
+    other = ParamServer(LocalStore(tmp_path / "other"))
+    other.publish(0, base_tensors(bump=1.0), epoch=other.acquire_epoch())
+    want, have = pub.policy.base_digest, server_base_digest(other)[1]
+    with pytest.raises(BaseMismatchError) as err:
+        PolicyReader(pub.ps, other).pull(0)
+    message = str(err.value)
+    assert want in message and have in message and "\n" not in message
+
+
+def test_delta_versions_work_on_adapters(tmp_path):
+    """full_every > 1: adapter versions are stored as deltas like full weights, and a reader
+    holding the version before rebuilds the next from its delta alone."""
+    pub, base_ps = make_lora(tmp_path, full_every=3)
+    epoch = pub.ps.acquire_epoch()
+    for v in range(5):
+        pub.publish(v, adapter_tensors(v), epoch=epoch, step=v, next_batch=v)
+    assert [("delta" in m) for m in map(pub.ps.manifest, range(5))] == [False] + [True] * 4
+    reader = PolicyReader(ParamServer(pub.ps.store), base_ps)
+    held = None
+    for v in range(5):
+        snap = reader.pull(v, held=held)
+        held = v
+        want = merged_by_hand(v)
+        for name in want:
+            np.testing.assert_allclose(snap.tensors[name], want[name], rtol=1e-6, atol=1e-6)
+    assert reader._held.deltas == (4,)  # v4 rebuilt from the held v3 and its delta
+
+
+def test_retention_deletes_old_adapter_versions_and_never_the_base(tmp_path):
+    pub, base_ps = make_lora(tmp_path, keep_versions=1)
+    epoch = pub.ps.acquire_epoch()
+    for v in range(4):
+        pub.publish(v, adapter_tensors(v), epoch=epoch, step=v, next_batch=v)
+    assert pub.ps.versions() == [3]
+    assert base_ps.versions() == [0]  # base/ is its own server: retention never sees it
+    reader = PolicyReader(ParamServer(pub.ps.store), ParamServer(pub.ps.store.child("base/")))
+    got = reader.pull(3).tensors
+    for name, ref in merged_by_hand(3).items():
+        np.testing.assert_allclose(got[name], ref, rtol=1e-6, atol=1e-6)
 
 
 def test_a_policy_with_a_bad_value_names_it_and_what_is_allowed():

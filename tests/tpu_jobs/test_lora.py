@@ -137,9 +137,9 @@ def test_gradients_exist_for_the_adapters_only():
     plus[name][0, 0] += h
     minus[name] = values[name].copy()
     minus[name][0, 0] -= h
-    fd = (loss(flat_to_state(adapters, plus), base) - loss(flat_to_state(adapters, minus), base)) / (
-        2 * h
-    )
+    fd = (
+        loss(flat_to_state(adapters, plus), base) - loss(flat_to_state(adapters, minus), base)
+    ) / (2 * h)
     assert float(fd) == pytest.approx(float(flat[name][0, 0]), rel=2e-2, abs=1e-3)
 
 

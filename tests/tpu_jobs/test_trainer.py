@@ -23,6 +23,7 @@ import pytest
 from pipeline import algorithms as A
 from pipeline import config as C
 from pipeline.leases import BatchLeases
+from pipeline.paramserver.adapters import PolicyReader
 from pipeline.rollouts import RolloutBatch, from_parquet_bytes, to_parquet_bytes
 from pipeline.run import DONE_KEY, base_server
 from pipeline.tasks import get_task
@@ -732,6 +733,7 @@ def test_a_version_a_worker_refuses_is_reported_and_rewritten_by_the_trainer(
     else:
         (weights / "manifest.json").unlink()  # LATEST still names v0
     monkeypatch.setattr(worker, "ps", ParamServer(run.store))
+    monkeypatch.setattr(worker, "reader", PolicyReader(worker.ps, base_server(run)))
     monkeypatch.setattr(worker, "version", None)
     assert not worker._ensure_version(0)
     assert list(ParamServer(run.store).refused()) == [0]
