@@ -437,7 +437,7 @@ class Trainer:
                 continue
             inputs = self.learner.inputs(batch, self.pad_id)
             state.params, state.opt_state, metrics = self.learner.step(
-                state.params, state.opt_state, self.ref_params, inputs, self.frozen
+                state.params, state.opt_state, self.ref_params, inputs, self.frozen, state.step
             )
             if metrics["nonfinite_updates"]:
                 # The guard kept the params; the step is not taken, nothing is published or

@@ -284,3 +284,60 @@ def test_checkpoint_resume_gives_bit_identical_adapters(lora_run, real_batch, tm
     base.publish(1, tensors, epoch=base.acquire_epoch())
     with pytest.raises(Exception, match="holds LoRA adapters of base sha256:"):
         Trainer(run, log=lambda m: None, fused=False).restore_or_init()
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def test_dropout_acts_on_the_adapter_input_in_training_only():
+    """A projection with dropout against its formula with the same mask; without a key
+    (inference, the samplers' merged weights) it is the plain adapted projection."""
+    lora = dataclasses.replace(LORA, dropout=0.25)
+    fns, adapters, base = split_lora(init_model(TINY, 0, lora))
+    adapters = flat_to_state(adapters, _random_adapters(adapters))
+    model = fns.merge(adapters, base)
+    proj = model.layers[0].mlp.up_proj
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 5, TINY.hidden_size)), jnp.float32)
+    key = jax.random.key(9)
+    keep = np.asarray(jax.random.bernoulli(key, 0.75, x.shape))
+    xk, a, b = np.asarray(x), np.asarray(proj.lora_a[...]), np.asarray(proj.lora_b[...])
+    kernel = np.asarray(proj.kernel[...])
+    want = xk @ kernel + lora.scale * ((np.where(keep, xk / 0.75, 0.0) @ a) @ b)
+    got = np.asarray(proj(x, key))
+    assert np.abs(got - want).max() <= 64 * EPS32 * np.abs(want).max()
+    plain = xk @ kernel + lora.scale * ((xk @ a) @ b)
+    assert np.abs(np.asarray(proj(x)) - plain).max() <= 64 * EPS32 * np.abs(plain).max()
+    assert np.abs(got - plain).max() > 1e-3
+
+
+def test_dropout_masks_are_the_same_with_and_without_the_layer_scan():
+    """Layer i's masks come from fold_in(key, i) in the Python loop and in the remat scan."""
+    lora = dataclasses.replace(LORA, dropout=0.5)
+    tokens, mask = _tokens(TINY)
+    key = jax.random.key(4)
+    logits = {}
+    for remat in ("none", "full"):
+        cfg = dataclasses.replace(TINY, remat=remat)
+        fns, adapters, base = split_lora(init_model(cfg, 0, lora))
+        adapters = flat_to_state(adapters, _random_adapters(adapters))
+        logits[remat] = np.asarray(sequence_logprobs(fns.merge(adapters, base, key), tokens, mask))
+        no_dropout = np.asarray(sequence_logprobs(fns.merge(adapters, base), tokens, mask))
+        assert np.abs(logits[remat] - no_dropout).max() > 1e-4  # the masks act
+    scale = max(1.0, np.abs(logits["none"]).max())
+    assert np.abs(logits["none"] - logits["full"]).max() <= 256 * EPS32 * scale
+
+
+def test_a_step_with_dropout_draws_its_masks_from_the_step(lora_run, trainer, real_batch):
+    """The same step twice: the same adapters (resumable); another step's masks: others."""
+    cfg = replace(lora_run.config, lora=dataclasses.replace(LORA, dropout=0.1))
+    learner = Learner(cfg, trainer.prompt_len, fused=False)
+    frozen = trainer._base_params()
+    inputs = learner.inputs(real_batch)
+    out = {}
+    for name, step in (("a", 3), ("b", 3), ("c", 4)):
+        params, opt = learner.init_state(learner.new_policy(cfg.seed))
+        params, _, metrics = learner.step(params, opt, frozen, inputs, frozen, step)
+        assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        out[name] = state_to_flat(params["policy"])
+    assert all(out["a"][k].tobytes() == out["b"][k].tobytes() for k in out["a"])
+    assert any(out["a"][k].tobytes() != out["c"][k].tobytes() for k in out["a"])

@@ -77,9 +77,10 @@ from tpu_jobs.model.state import (
     split_lora,
     split_model,
 )
-from tpu_jobs.model.transformer import init_model
+from tpu_jobs.model.transformer import init_model, sequence_logprobs
 
 sg = jax.lax.stop_gradient
+LORA_DROPOUT_STREAM = 0x10AD  # folded into the seed: LoRA dropout's own key stream
 
 
 class StepInputs(NamedTuple):
@@ -156,10 +157,10 @@ class ModelPrograms:
         # model_cfg.logits_chunk tokens, never runs on the prompt positions. `packing`
         # (`tpu_jobs.learning.packing`, trainer.pack): the same outputs from packed rows.
         # `frozen`: the frozen base of a LoRA run (params["policy"] are its adapters).
-        def outputs(params, tokens, mask, packing=None, frozen=None):
+        def outputs(params, tokens, mask, packing=None, frozen=None, dropout_key=None):
             if packing is not None:
                 out = packed_policy_forward(
-                    fns.merge(params["policy"], frozen),
+                    fns.merge(params["policy"], frozen, dropout_key),
                     packing,
                     mask[:, p:],
                     temperature,
@@ -170,7 +171,7 @@ class ModelPrograms:
             if values or entropy:
                 return tuple(
                     policy_forward(
-                        fns.merge(params["policy"], frozen),
+                        fns.merge(params["policy"], frozen, dropout_key),
                         tokens,
                         mask,
                         temperature,
@@ -179,12 +180,14 @@ class ModelPrograms:
                         first=p,
                     )
                 )
-            logp = fns.logprobs(params["policy"], tokens, mask, temperature, first=p, base=frozen)
-            return logp, None, None
+            model = fns.merge(params["policy"], frozen, dropout_key)
+            return sequence_logprobs(model, tokens, mask, temperature, first=p), None, None
 
-        def forward_vjp(params, tokens, mask, packing=None, frozen=None):
+        def forward_vjp(params, tokens, mask, packing=None, frozen=None, dropout_key=None):
             # Differentiated w.r.t. params only: the frozen base gets no gradient buffers.
-            return jax.vjp(lambda prm: outputs(prm, tokens, mask, packing, frozen), params)
+            return jax.vjp(
+                lambda prm: outputs(prm, tokens, mask, packing, frozen, dropout_key), params
+            )
 
         def ref_logp(ref_params, tokens, mask, packing=None):
             if packing is not None:
@@ -483,13 +486,13 @@ class Learner:
     def _fused_fn(self, loss, apply_fn):
         outputs, ref_outputs = self.programs.outputs, self.programs.ref_outputs
 
-        def step(params, opt_state, ref_params, inp: StepInputs, packing: Packing | None, frozen):
+        def step(params, opt_state, ref_params, inp, packing: Packing | None, frozen, dropout_key):
             logp_ref = None
             if ref_params is not None:
                 logp_ref = ref_outputs(ref_params, inp.tokens, inp.mask, packing)
 
             def f(prm):
-                outs = outputs(prm, inp.tokens, inp.mask, packing, frozen)
+                outs = outputs(prm, inp.tokens, inp.mask, packing, frozen, dropout_key)
                 return loss(outs, inp, None, logp_ref, None)
 
             (value, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
@@ -536,23 +539,33 @@ class Learner:
         packing = pack(np.asarray(inp.tokens), np.asarray(inp.mask), self.completion_len, multiple)
         return self._place_batch(Packing(*(jnp.asarray(x) for x in packing)))
 
-    def _grads(
-        self, params, inp: StepInputs, pre: Prepared | None, logp_ref, norm, packing, frozen
-    ):
-        outs, vjp_fn = self.programs.forward_vjp(params, inp.tokens, inp.mask, packing, frozen)
+    def _grads(self, params, inp: StepInputs, pre: Prepared | None, logp_ref, norm, packing, fixed):
+        outs, vjp_fn = self.programs.forward_vjp(params, inp.tokens, inp.mask, packing, *fixed)
         metrics, cot = self._grad_head(outs, inp, pre, logp_ref, norm)
         return self.programs.backward(vjp_fn, cot), metrics
 
-    def step(self, params, opt_state, ref_params, inp: StepInputs, frozen: Any = None):
+    def step(
+        self, params, opt_state, ref_params, inp: StepInputs, frozen: Any = None, step: int = 0
+    ):
         """One trainer step on one batch: (params, opt_state, {metric: float}). `frozen`:
-        the frozen base of a LoRA run (`frozen_base`; also its `ref_params`), else None."""
+        the frozen base of a LoRA run (`frozen_base`; also its `ref_params`), else None.
+        `step`: the trainer step, whose key LoRA dropout draws its masks from."""
         if (frozen is None) != (self.lora is None):
             raise ValueError(
                 f"lora.rank={self.cfg.lora.rank}: Learner.step needs frozen= "
                 + ("the frozen base (Learner.frozen_base)" if self.lora else "None")
             )
         with self.under_mesh():
-            return self._step(params, opt_state, ref_params, inp, frozen)
+            return self._step(params, opt_state, ref_params, inp, (frozen, self.dropout_key(step)))
+
+    def dropout_key(self, step: int) -> jax.Array | None:
+        """LoRA dropout's key of trainer step `step` (its own stream of the run's seed; the
+        same masks for every forward of the step, so pi_old and the updates agree); None
+        without LoRA dropout."""
+        if self.lora is None or self.lora.dropout == 0:
+            return None
+        root = jax.random.fold_in(jax.random.key(self.cfg.seed), LORA_DROPOUT_STREAM)
+        return jax.random.fold_in(root, step)
 
     def frozen_base(self, flat: dict[str, np.ndarray]) -> Any:
         """The frozen base of a LoRA run from the base snapshot's flat tensors, in
@@ -561,7 +574,8 @@ class Learner:
             raise ValueError("frozen_base is for LoRA runs (lora.rank > 0)")
         return self.place(flat_to_state(self.base_template, flat))
 
-    def _step(self, params, opt_state, ref_params, inp: StepInputs, frozen):
+    def _step(self, params, opt_state, ref_params, inp: StepInputs, fixed):
+        """`fixed`: (the frozen base, the LoRA dropout key), None each without."""
         host = inp  # as given (host arrays from `inputs`): what packing reads
         packing = self._pack(host)  # the whole batch's, for the whole-batch programs
         inp = self._place_batch(StepInputs(*(jnp.asarray(x) for x in inp)))
@@ -571,15 +585,15 @@ class Learner:
         if self.fused:
             ref = ref_params if self.needs_ref else None
             params, opt_state, metrics = self._fused_step(
-                params, opt_state, ref, inp, packing, frozen
+                params, opt_state, ref, inp, packing, *fixed
             )
             return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
         if self.single:
-            grads, metrics = self._grads(params, inp, None, logp_ref, None, packing, frozen)
+            grads, metrics = self._grads(params, inp, None, logp_ref, None, packing, fixed)
             params, opt_state, metrics["grad_norm"], finite = self._apply(params, opt_state, grads)
             metrics["nonfinite_updates"] = 1.0 - finite.astype(jnp.float32)
             return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
-        outs = self.programs.forward(params, inp.tokens, inp.mask, packing, frozen)
+        outs = self.programs.forward(params, inp.tokens, inp.mask, packing, *fixed)
         pre, pre_metrics = self._prepare(outs, inp, logp_ref)
         tc = self.cfg.trainer
         # Each micro-batch is packed once per step (its rows are the same every epoch).
@@ -607,7 +621,7 @@ class Learner:
                         None,
                         norm,
                         micro_packings.get(m0),
-                        frozen,
+                        fixed,
                     )
                     grads = g if grads is None else _add_trees(grads, g)
                     parts.append(jax.device_get(m))

@@ -34,9 +34,14 @@ class ModelFns:
     graphdef: Any
     rest: tuple[Any, ...]
 
-    def merge(self, params: Any, base: Any = None) -> Transformer:
+    def merge(self, params: Any, base: Any = None, dropout_key: Any = None) -> Transformer:
+        """The model; `dropout_key`: a training forward's key of LoRA dropout (on the
+        adapters' inputs, `lora.dropout`), None: none."""
         frozen = () if base is None else (base,)
-        return nnx.merge(self.graphdef, params, *frozen, *self.rest)
+        model = nnx.merge(self.graphdef, params, *frozen, *self.rest)
+        if dropout_key is not None:  # read by Transformer.hidden (not in the graph: per step)
+            model.lora_dropout_key = nnx.Variable(dropout_key)
+        return model
 
     def logprobs(
         self,
@@ -46,12 +51,9 @@ class ModelFns:
         temperature: float = 1.0,
         *,
         first: int = 0,
-        base: Any = None,
     ) -> jax.Array:
-        """`model.sequence_logprobs` of the model with `params` (and the frozen `base` of a
-        LoRA split) (columns first..)."""
-        model = self.merge(params, base)
-        return sequence_logprobs(model, tokens, mask, temperature, first=first)
+        """`model.sequence_logprobs` of the model with `params` (columns first..)."""
+        return sequence_logprobs(self.merge(params), tokens, mask, temperature, first=first)
 
 
 def split_model(model: Transformer) -> tuple[ModelFns, Any]:

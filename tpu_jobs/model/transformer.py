@@ -199,15 +199,32 @@ class Linear(nnx.Module):
             a, b = nnx.LoRAParam(a), nnx.LoRAParam(jnp.zeros((rank, d_out), jnp.float32))
         self.lora_a, self.lora_b = a, b
         self.lora_scale = lora.cfg.scale if rank else 0.0
+        self.lora_dropout = lora.cfg.dropout if rank else 0.0
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        """`dropout_key`: training's key of this projection (`lora.dropout` on the adapter's
+        input; None: no dropout, as at inference)."""
         y = x @ self.kernel[...].astype(x.dtype)
         if self.lora_a is not None:
-            low = x @ self.lora_a[...].astype(x.dtype)
+            xa = x
+            if dropout_key is not None and self.lora_dropout > 0:
+                xa = dropout(x, self.lora_dropout, dropout_key)
+            low = xa @ self.lora_a[...].astype(x.dtype)
             y = y + self.lora_scale * (low @ self.lora_b[...].astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
         return y
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
+    """Inverted dropout: each element zeroed with probability `rate`, the rest / (1 - rate)."""
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def _keys(key: jax.Array | None, n: int) -> list[jax.Array | None]:
+    """n independent keys of one module's projections (None stays None: no dropout)."""
+    return [None] * n if key is None else [jax.random.fold_in(key, i) for i in range(n)]
 
 
 class Embed(nnx.Module):
@@ -252,21 +269,24 @@ class Attention(nnx.Module):
         visible: jax.Array,
         cache_kv: tuple[jax.Array, jax.Array, int, jax.Array] | None,
         segments: jax.Array | None = None,
+        dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """visible: [B, T, S] bool. cache_kv: (k_all, v_all, layer, slot) or None; layer is
         None for a per-layer cache (k_all, v_all: this layer's arrays, see KVCache).
         segments: [B, T] int, the same visibility as segment ids (without a cache: query
-        i sees key j iff j <= i and their ids are equal), for kernels that take those."""
+        i sees key j iff j <= i and their ids are equal), for kernels that take those.
+        dropout_key: LoRA dropout in training (`Linear`)."""
         b, t, _ = x.shape
         nkv, hd = self.num_kv_heads, self.head_dim
         heads = ("batch", None, "heads", None)
-        q = constrain(self.q_proj(x).reshape(b, t, self.num_heads, hd), *heads)
-        k = constrain(self.k_proj(x).reshape(b, t, nkv, hd), *heads)
-        v = constrain(self.v_proj(x).reshape(b, t, nkv, hd), *heads)
+        kq, kk, kv, ko = _keys(dropout_key, 4)
+        q = constrain(self.q_proj(x, kq).reshape(b, t, self.num_heads, hd), *heads)
+        k = constrain(self.k_proj(x, kk).reshape(b, t, nkv, hd), *heads)
+        v = constrain(self.v_proj(x, kv).reshape(b, t, nkv, hd), *heads)
         q, k = self.norm_rope(q, k, cos, sin)
         out, new_cache = self.attend(q, k, v, visible, cache_kv, segments)
         out = constrain(out, "batch", None, "heads")
-        return constrain(self.o_proj(out), "batch", None, None), new_cache
+        return constrain(self.o_proj(out, ko), "batch", None, None), new_cache
 
     def norm_rope(self, q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array):
         """q [B, T, heads, hd], k [B, T, kv, hd] -> (q, k) after q/k norm (Qwen3) and RoPE."""
@@ -469,10 +489,11 @@ class MLP(nnx.Module):
         self.up_proj = Linear(h, i, std=INIT_STD, **common, target="up")
         self.down_proj = Linear(i, h, std=out_std, **common, target="down")
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate = constrain(self.gate_proj(x), "batch", None, "mlp")
-        up = constrain(self.up_proj(x), "batch", None, "mlp")
-        return constrain(self.down_proj(jax.nn.silu(gate) * up), "batch", None, None)
+    def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+        kg, ku, kd = _keys(dropout_key, 3)
+        gate = constrain(self.gate_proj(x, kg), "batch", None, "mlp")
+        up = constrain(self.up_proj(x, ku), "batch", None, "mlp")
+        return constrain(self.down_proj(jax.nn.silu(gate) * up, kd), "batch", None, None)
 
 
 class DecoderLayer(nnx.Module):
@@ -482,12 +503,13 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, rngs=rngs, lora=lora)
 
-    def __call__(self, x, cos, sin, visible, cache_kv, segments=None):
+    def __call__(self, x, cos, sin, visible, cache_kv, segments=None, dropout_key=None):
+        k_attn, k_mlp = _keys(dropout_key, 2)
         attn, new_cache = self.self_attn(
-            self.input_layernorm(x), cos, sin, visible, cache_kv, segments
+            self.input_layernorm(x), cos, sin, visible, cache_kv, segments, k_attn
         )
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), k_mlp)
         return x, new_cache
 
 
@@ -592,9 +614,14 @@ class Transformer(nnx.Module):
             k_all, v_all = cache.k, cache.v
             if cache.per_layer:
                 k_all, v_all = list(k_all), list(v_all)
+        # LoRA dropout in training: the key the trainer's step sets on its merged model
+        # (`tpu_jobs.model.state.ModelFns.merge`); absent at inference and without LoRA.
+        lora_key = None
+        if cache is None and hasattr(self, "lora_dropout_key"):
+            lora_key = self.lora_dropout_key[...]
         if cache is None and self.cfg.remat in REMAT:
             x = _remat_layers(
-                self.layers, x, cos, sin, visible, REMAT[self.cfg.remat], key_segments
+                self.layers, x, cos, sin, visible, REMAT[self.cfg.remat], key_segments, lora_key
             )
             return self.norm(x), None
         for i, layer in enumerate(self.layers):
@@ -604,7 +631,8 @@ class Transformer(nnx.Module):
                 cache_kv = (k_all[i], v_all[i], None, slot)
             else:
                 cache_kv = (k_all, v_all, i, slot)
-            x, new_kv = layer(x, cos, sin, visible, cache_kv, key_segments)
+            layer_key = None if lora_key is None else jax.random.fold_in(lora_key, i)
+            x, new_kv = layer(x, cos, sin, visible, cache_kv, key_segments, layer_key)
             if new_kv is not None and cache.per_layer:
                 k_all[i], v_all[i] = new_kv
             elif new_kv is not None:
@@ -615,7 +643,9 @@ class Transformer(nnx.Module):
         return self.norm(x), new_cache
 
 
-def _remat_layers(layers, x, cos, sin, visible, policy, segments=None) -> jax.Array:
+def _remat_layers(
+    layers, x, cos, sin, visible, policy, segments=None, dropout_key=None
+) -> jax.Array:
     """The decoder layers (no cache) as a `lax.scan` over their stacked weights, each step
     under `jax.checkpoint` with `policy` (`REMAT`).
 
@@ -633,7 +663,18 @@ def _remat_layers(layers, x, cos, sin, visible, policy, segments=None) -> jax.Ar
     def body(h: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
         return nnx.merge(graphdef, state)(h, cos, sin, visible, None, segments)[0], None
 
-    x, _ = jax.lax.scan(jax.checkpoint(body, policy=policy), x, stacked)
+    if dropout_key is None:
+        x, _ = jax.lax.scan(jax.checkpoint(body, policy=policy), x, stacked)
+        return x
+
+    def body_dropout(h: jax.Array, xs: tuple[nnx.State, jax.Array]) -> tuple[jax.Array, None]:
+        state, i = xs  # layer i's key, as the loop of `Transformer.hidden` folds it
+        layer = nnx.merge(graphdef, state)
+        key = jax.random.fold_in(dropout_key, i)
+        return layer(h, cos, sin, visible, None, segments, key)[0], None
+
+    layer_ids = jnp.arange(len(layers))
+    x, _ = jax.lax.scan(jax.checkpoint(body_dropout, policy=policy), x, (stacked, layer_ids))
     return x
 
 
