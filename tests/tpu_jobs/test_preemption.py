@@ -126,6 +126,35 @@ def test_small_chaos_run(reference, tmp_path):
     assert sum("full" not in m for m in manifests) >= 2  # deltas were really published
 
 
+@pytest.mark.slow
+def test_chaos_run_with_lora_ends_with_bit_identical_adapters(tiny_base, tmp_path):
+    """LoRA on (adapter versions, a full snapshot every 3rd): an uninterrupted run and a
+    chaos run end with bit-identical adapter versions. ~3 CPU-minutes: `slow` lane
+    (`pytest -m slow tests/tpu_jobs/test_preemption.py -k lora`)."""
+    from pipeline.lora import LoraConfig, is_adapter
+
+    cfg = tiny_base.config
+    cfg = replace(
+        cfg,
+        lora=LoraConfig(rank=4, alpha=8.0),
+        trainer=replace(cfg.trainer, steps=STEPS),
+        paramserver=replace(cfg.paramserver, full_every=3),
+    )
+    reference = clone_run(tiny_base, str(tmp_path / "reference"), cfg)
+    procs = {n: start(reference, n, tmp_path / "logs") for n in ("trainer", "w0", "w1")}
+    assert wait_all(procs, 240) == {"trainer": 0, "w0": 0, "w1": 0}
+    run = clone_run(tiny_base, str(tmp_path / "chaos"), cfg)
+    settings = ChaosSettings(kills=4, min_interval_s=2.0, max_interval_s=5.0, seed=3, timeout_s=400)
+    stats = run_with_chaos(run, settings, log=lambda m: None)
+    result = account(run, stats)
+    identical, why = final_params_equal(reference, run)
+    assert identical, why
+    assert result["batches_lost"] == 0 and result["batches_produced_twice"] == 0
+    assert result["conclusive"], result["inconclusive_because"]
+    version, tensors = final_tensors(run)
+    assert version == STEPS and tensors and all(map(is_adapter, tensors))
+
+
 # --------------------------------------------------------------------------------------
 # Verified restores: a checkpoint whose bytes changed after the commit is refused
 # --------------------------------------------------------------------------------------
