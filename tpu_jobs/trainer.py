@@ -4,7 +4,10 @@
 
 Load order at start: this run's latest Orbax checkpoint (policy and value-head params,
 optimizer state, step, next batch index, counters); else the base model (`base/` snapshot
-written by the SFT bootstrap or an HF import). Every start takes a new epoch (fencing
+written by the SFT bootstrap or an HF import). With LoRA (`lora.rank` > 0) the policy's
+params are its adapters, the `base/` snapshot is the frozen base (and the KL reference),
+versions are adapters naming the base by digest, and a checkpoint of another base is
+refused (`pipeline.paramserver.adapters`). Every start takes a new epoch (fencing
 token), so an older trainer still running somewhere can no longer publish. Text is encoded
 with the run's tokenizer (`model.tokenizer`). With `mesh.trainer` set, the train state and
 batches live on a mesh of all the process's devices (`Learner`, docs/scaling.md); with
