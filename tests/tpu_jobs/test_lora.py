@@ -341,3 +341,21 @@ def test_a_step_with_dropout_draws_its_masks_from_the_step(lora_run, trainer, re
         out[name] = state_to_flat(params["policy"])
     assert all(out["a"][k].tobytes() == out["b"][k].tobytes() for k in out["a"])
     assert any(out["a"][k].tobytes() != out["c"][k].tobytes() for k in out["a"])
+
+
+def test_the_fused_step_gives_the_unfused_steps_adapters(lora_run, trainer, real_batch):
+    """trainer.fused_step (one program) and the chained programs: the same update, up to
+    the order of float32 sums (AdamW's first step is ~lr * sign(g) per element, so an
+    element whose gradient is ~0 may go either way: compared on average)."""
+    frozen = trainer._base_params()
+    out = {}
+    for fused in (False, True):
+        learner = Learner(lora_run.config, trainer.prompt_len, fused=fused)
+        assert learner.fused == fused
+        params, opt = learner.init_state(learner.new_policy(lora_run.config.seed))
+        start = state_to_flat(params["policy"])
+        params, _, _ = learner.step(params, opt, frozen, learner.inputs(real_batch), frozen)
+        out[fused] = state_to_flat(params["policy"])
+    moved = np.mean([np.abs(out[False][k] - start[k]).mean() for k in start])
+    apart = np.mean([np.abs(out[True][k] - out[False][k]).mean() for k in start])
+    assert moved > 0 and apart <= 1e-2 * moved
