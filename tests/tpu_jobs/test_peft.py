@@ -184,7 +184,12 @@ def test_cli_import_adapter_then_export_both_forms(bases, tmp_path):
     with pytest.raises(hf.HFError, match=r"lora.rank=8 \(adapter: 4\)"):
         hf.import_to_run(path, run_url, overrides=[*small, "lora.rank=8"], adapter=adapter_dir)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
-    args = ["import", str(path), "--adapter", str(adapter_dir), "--run", run_url]
+    # The command `rlax import-hf PATH --adapter DIR --run URL` starts (pipeline.ops).
+    from pipeline.ops.launcher import HF_MODULE, hf_import_command
+
+    cmd = hf_import_command(str(path), run_url, str(adapter_dir))
+    assert cmd[1:3] == ["-m", HF_MODULE]
+    args = cmd[3:]
     assert hf.main([*args, *small, *lora_set]) == 0
     run = Run.open(run_url)
     assert run.config.lora == lora
