@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.layout import HF_PREFIX
-from pipeline.lora import is_adapter, merge
+from pipeline.lora import merge, split_adapters
 from pipeline.tokenizer.hf import CONFIG_FILE, TOKENIZER_FILES, HFError
 from tpu_jobs.model.hf_checkpoint import (
     ARCH_FIELDS,
@@ -202,8 +202,7 @@ def export_from_run(
             base_config = json.loads(data)
         else:
             extra[name] = data
-    tensors = snap.tensors
-    adapters = {k: v for k, v in tensors.items() if is_adapter(k)}
+    weights, adapters = split_adapters(snap.tensors)
     if adapter_only and not adapters:
         raise HFError(
             f"{run.url} {'base ' if base else ''}v{snap.version} holds no LoRA adapters; "
@@ -211,8 +210,7 @@ def export_from_run(
         )
     if adapters:
         base_snap = base_server(run).pull(0)
-        frozen = {k: v for k, v in tensors.items() if not is_adapter(k)}
-        frozen = frozen or base_snap.tensors  # an adapter-only version: the run's base
+        weights = weights or base_snap.tensors  # an adapter-only version: the run's base
         peft_dir = export_peft(
             Path(out_dir) / ADAPTER_DIR,
             run.config.lora,
@@ -223,11 +221,11 @@ def export_from_run(
         log(f"[hf] exported {run.url} v{snap.version}'s LoRA adapters to {peft_dir} (PEFT)")
         if adapter_only:
             return peft_dir
-        tensors = merge(frozen, adapters, run.config.lora.scale)
+        weights = merge(weights, adapters, run.config.lora.scale)
     out = export_hf(
         out_dir,
         run.config.model,
-        tensors,
+        weights,
         family=family_of(base_config).architecture if base_config else None,
         base_config=base_config,
         dtype=dtype,
