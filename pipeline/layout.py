@@ -10,6 +10,9 @@ CURATED_PREFIX = "curated"  # a Beam curation job's output (pipeline.problem_set
 BASE_PREFIX = "base"  # the base model: a parameter server of its own, version 0
 ORM_PREFIX = "orm"  # the ORM baseline (tpu_jobs.orm): a parameter server of its own
 HF_PREFIX = "hf"  # under base/: the imported checkpoint's config.json and tokenizer files
+# under base/: a PEFT adapter imported as a LoRA run's starting adapters (`tpu_jobs.hf import
+# --adapter`), version 0 of a parameter server of its own, so base/ v0 stays the bare base.
+START_ADAPTER_PREFIX = "start_adapter"
 # weights/: the policy's parameter server (pipeline.paramserver owns its inner layout,
 # also under base/).
 ROLLOUTS_PREFIX = "rollouts"  # batches and their leases (pipeline.rollouts)

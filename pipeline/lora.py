@@ -141,3 +141,12 @@ def merge(
             )
         out[key] = (kernel.astype(np.float32) + np.float32(scale) * delta).astype(kernel.dtype)
     return out
+
+
+def split_adapters(
+    flat: Mapping[str, np.ndarray],
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(the base's tensors, the adapter tensors) of flat tensors that may hold both (a
+    model's parameters or a version with adapters); the adapters are empty for full RL."""
+    base = {k: v for k, v in flat.items() if not is_adapter(k)}
+    return base, {k: v for k, v in flat.items() if is_adapter(k)}

@@ -35,6 +35,7 @@ from pipeline.layout import (  # noqa: F401 - the layout, re-exported
     REPORT_PREFIX,
     ROLLOUTS_PREFIX,
     SPLITS,
+    START_ADAPTER_PREFIX,
 )
 from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
 from pipeline.storage import ObjectNotFound, ObjectStore, local_path, open_store
@@ -50,6 +51,15 @@ def base_server(run: Run) -> ParamServer:
     from pipeline.paramserver import ParamServer
 
     return ParamServer(run.store.child(BASE_PREFIX))
+
+
+def start_adapter_server(run: Run) -> ParamServer:
+    """A LoRA run's starting adapters when they were imported (a PEFT adapter, `tpu_jobs.hf
+    import --adapter`): version 0 of a parameter server under `base/`, flat adapter tensors
+    (`pipeline.lora`). No version 0 there: the adapters start at the usual init (B = 0)."""
+    from pipeline.paramserver import ParamServer
+
+    return ParamServer(run.store.child(BASE_PREFIX).child(START_ADAPTER_PREFIX))
 
 
 def weights_server(run: Run) -> ParamServer:

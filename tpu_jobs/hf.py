@@ -7,8 +7,9 @@ listed by `model.safetensors.index.json`) and usually `tokenizer.json` +
 `transformers.AutoModelForCausalLM.from_pretrained` loads. This module is the job (runs in,
 runs out); the conversion library it uses is `tpu_jobs.model.hf_checkpoint`.
 
-    python -m tpu_jobs.hf import PATH --run RUN [--config FILE] [key=value ...]
+    python -m tpu_jobs.hf import PATH [--adapter DIR] --run RUN [--config FILE] [key=value ...]
     python -m tpu_jobs.hf export --run RUN --version V|latest --out DIR [--base] [--dtype D]
+                                 [--adapter-only]
     python -m tpu_jobs.hf config PATH      # the model.* overrides matching a checkpoint
 
 `import` publishes the weights as version 0 of the run's `base/` parameter server (where the
@@ -19,6 +20,15 @@ a tokenizer.json: every role then encodes with it, `run_tokenizer`) together wit
 like `rlax init`; an existing run must have the checkpoint's architecture. `export` writes version V of the
 run's trained weights (or of its base with `--base`) with the original config's extra
 fields (token ids, max positions) and tokenizer files when the base came from an import.
+
+LoRA runs (`lora.rank > 0`, `pipeline.lora`) interchange adapters in PEFT's format
+(`tpu_jobs.model.peft_adapter`). `import --adapter DIR` also publishes a PEFT adapter as
+the run's starting adapters (`pipeline.run.start_adapter_server`), refused unless its r,
+lora_alpha and target_modules are the run's lora section and its shapes fit the base.
+`export` of a LoRA version writes both forms a user wants: DIR is the merged model (base +
+scale * A @ B, for plain transformers and vLLM) and DIR/adapter the PEFT adapter (for
+`PeftModel.from_pretrained` on the base, which `export --base` writes); `--adapter-only`
+skips the merged model.
 
 Nothing here downloads: PATH is a local directory (e.g. a `huggingface-cli download` dir);
 bfloat16 checkpoints need neither torch nor network (`tpu_jobs.model.hf_checkpoint`).
@@ -35,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.layout import HF_PREFIX
+from pipeline.lora import merge, split_adapters
 from pipeline.tokenizer.hf import CONFIG_FILE, TOKENIZER_FILES, HFError
 from tpu_jobs.model.hf_checkpoint import (
     ARCH_FIELDS,
@@ -45,8 +56,12 @@ from tpu_jobs.model.hf_checkpoint import (
     load_hf_tensors,
     model_config_from_hf,
     model_overrides,
+    param_shapes,
     read_hf_config,
 )
+from tpu_jobs.model.peft_adapter import export_peft, load_peft
+
+ADAPTER_DIR = "adapter"  # where export puts a LoRA version's PEFT adapter, inside --out
 
 
 def import_to_run(
@@ -55,17 +70,20 @@ def import_to_run(
     *,
     config_path: str | Path | None = None,
     overrides: Sequence[str] = (),
+    adapter: str | Path | None = None,
     log=print,
 ) -> dict[str, Any]:
-    """Publish the checkpoint at `path` as version 0 of `run_url`'s base parameter server.
+    """Publish the checkpoint at `path` as version 0 of `run_url`'s base parameter server,
+    and the PEFT adapter at `adapter` (if given) as the LoRA run's starting adapters.
 
     Creates the run (config file + overrides, model section from the checkpoint) and its
-    data if it does not exist; an existing run must have the checkpoint's architecture.
-    Idempotent: a base already published is left as is. Returns a summary dict.
+    data if it does not exist; an existing run must have the checkpoint's architecture,
+    and the adapter the run's lora section (both checked before anything is created).
+    Idempotent: a base or adapter already published is left as is. Returns a summary dict.
     """
     from pipeline.config import load_config
     from pipeline.problem_sets import write_data
-    from pipeline.run import Run, RunError, base_server
+    from pipeline.run import Run, RunError, base_server, start_adapter_server
     from pipeline.storage import open_store
 
     path = Path(path)
@@ -100,6 +118,9 @@ def import_to_run(
             "directory with its tokenizer.json (fast tokenizers only), or use "
             "model.tokenizer=char"
         )
+    start = None
+    if adapter is not None:  # checked against the run's lora section and the base's shapes
+        start = load_peft(adapter, cfg.lora, param_shapes(cfg.model))
     created = not existing
     if created:
         run = Run.create(run_url, cfg)
@@ -107,6 +128,10 @@ def import_to_run(
         log(f"[hf] created run {run.url}: {n_train} training and {n_eval} held-out problems")
     server = base_server(run)
     summary = {"run": run.url, "architecture": fam.architecture, "created": created}
+    if start is not None:
+        summary["adapter_published"] = _publish_start_adapter(
+            start_adapter_server(run), start, adapter, log
+        )
     if 0 in server.versions():
         log(f"[hf] {run.url}/base already has version 0; leaving it as is")
         return {**summary, "published": False}
@@ -131,6 +156,17 @@ def import_to_run(
     return {**summary, "published": True, "params": n_params}
 
 
+def _publish_start_adapter(server, adapters: dict, path: str | Path, log) -> bool:
+    if 0 in server.versions():
+        log("[hf] the run's starting adapter is published already; leaving it as is")
+        return False
+    n = int(sum(a.size for a in adapters.values()))
+    meta = {"source": "peft", "path": str(Path(path).resolve()), "params": n}
+    server.publish(0, adapters, epoch=server.acquire_epoch(), metadata=meta)
+    log(f"[hf] published the PEFT adapter {path} ({n:,} params) as the starting adapters")
+    return True
+
+
 def export_from_run(
     run_url: str,
     version: int | str,
@@ -139,10 +175,14 @@ def export_from_run(
     base: bool = False,
     dtype: str = "float32",
     max_shard_bytes: int | None = None,
+    adapter_only: bool = False,
     log=print,
 ) -> Path:
     """Export version `version` ("latest" or an int) of the run's weights (its base with
-    `base=True`) as an HF checkpoint directory, with the imported config/tokenizer files."""
+    `base=True`) as an HF checkpoint directory, with the imported config/tokenizer files.
+
+    A version with LoRA adapters is written merged into `out_dir` and as a PEFT adapter in
+    `out_dir/adapter` (module docstring); `adapter_only` writes the adapter only."""
     from pipeline.paramserver import ParamServer
     from pipeline.run import Run, base_server
     from pipeline.storage import ObjectNotFound
@@ -162,10 +202,30 @@ def export_from_run(
             base_config = json.loads(data)
         else:
             extra[name] = data
+    weights, adapters = split_adapters(snap.tensors)
+    if adapter_only and not adapters:
+        raise HFError(
+            f"{run.url} {'base ' if base else ''}v{snap.version} holds no LoRA adapters; "
+            "allowed: --adapter-only for a version of a run with lora.rank > 0"
+        )
+    if adapters:
+        base_snap = base_server(run).pull(0)
+        weights = weights or base_snap.tensors  # an adapter-only version: the run's base
+        peft_dir = export_peft(
+            Path(out_dir) / ADAPTER_DIR,
+            run.config.lora,
+            adapters,
+            base_model_name_or_path=base_snap.metadata.get("path"),
+            dtype=dtype,
+        )
+        log(f"[hf] exported {run.url} v{snap.version}'s LoRA adapters to {peft_dir} (PEFT)")
+        if adapter_only:
+            return peft_dir
+        weights = merge(weights, adapters, run.config.lora.scale)
     out = export_hf(
         out_dir,
         run.config.model,
-        snap.tensors,
+        weights,
         family=family_of(base_config).architecture if base_config else None,
         base_config=base_config,
         dtype=dtype,
@@ -187,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p_imp.add_argument("path", help="local checkpoint directory (config.json + safetensors)")
     p_imp.add_argument("--run", required=True, help="run URL (directory or gs://bucket/prefix)")
     p_imp.add_argument("--config", default=None, help="run config YAML, used if the run is new")
+    p_imp.add_argument(
+        "--adapter", default=None, help="a PEFT LoRA adapter directory: the starting adapters"
+    )
     p_imp.add_argument("overrides", nargs="*", help="dotted overrides, used if the run is new")
     p_exp = sub.add_parser("export", help="write a run's weights as an HF checkpoint directory")
     p_exp.add_argument("--run", required=True)
@@ -195,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     p_exp.add_argument("--base", action="store_true", help="export the base model (base/)")
     p_exp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p_exp.add_argument("--max-shard-mb", type=int, default=0, help="0: one file")
+    p_exp.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA version: write only its PEFT adapter (to OUT/adapter), not the merged model",
+    )
     p_cfg = sub.add_parser("config", help="print the model.* overrides of a checkpoint")
     p_cfg.add_argument("path")
     # Overrides may follow --run/--config (argparse would not match them to `overrides`).
@@ -209,7 +277,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "import":
-            import_to_run(args.path, args.run, config_path=args.config, overrides=args.overrides)
+            import_to_run(
+                args.path,
+                args.run,
+                config_path=args.config,
+                overrides=args.overrides,
+                adapter=args.adapter,
+            )
         elif args.command == "export":
             shard = args.max_shard_mb << 20 if args.max_shard_mb > 0 else None
             export_from_run(
@@ -219,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 base=args.base,
                 dtype=args.dtype,
                 max_shard_bytes=shard,
+                adapter_only=args.adapter_only,
             )
         else:
             cfg = model_config_from_hf(read_hf_config(args.path))

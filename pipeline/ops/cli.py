@@ -11,7 +11,7 @@
     rlax pass-rates --run URL --data GLOB --k 8 [--version V]  (for beam_jobs.curate)
     rlax report --run URL
     rlax tensorboard --run URL [--logdir DIR] [--follow]   metrics -> TensorBoard event files
-    rlax import-hf PATH --run URL                          HF checkpoint (+ tokenizer) -> base
+    rlax import-hf PATH --run URL [--adapter DIR]          HF checkpoint (+ tokenizer) -> base
     rlax airflow [--port N]                                 serve a local Airflow (UI)
     rlax chaos  [--config FILE] [--kills 20] [--out FILE]   kill -9 at random, compare
     rlax stack  up|status|down|restart NAME|preempt NAME  the production shape on 127.0.0.1
@@ -123,7 +123,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
     """Publish a Hugging Face checkpoint as the base model (version 0 source) of a run."""
-    cmd = launcher.hf_import_command(args.path, args.run)
+    cmd = launcher.hf_import_command(args.path, args.run, args.adapter)
     if args.config:
         cmd += ["--config", args.config]
     return launcher.run_supervised(cmd + list(args.overrides), launcher.job_env())
@@ -398,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-hf", help="publish a Hugging Face checkpoint as a run's base")
     p.add_argument("path", help="directory with config.json + *.safetensors (+ tokenizer.json)")
     p.add_argument("--run", required=True)
+    p.add_argument("--adapter", help="a PEFT LoRA adapter directory: a LoRA run's start")
     with_config(p)
     p.set_defaults(func=cmd_import_hf)
 

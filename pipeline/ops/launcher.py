@@ -127,9 +127,11 @@ def curate_command(
     return module_command(CURATE_MODULE, [*args, *beam_args])
 
 
-def hf_import_command(checkpoint: str, run_url: str) -> list[str]:
-    """Import a Hugging Face checkpoint as the run's base model (`tpu_jobs.hf import`)."""
-    return module_command(HF_MODULE, ["import", checkpoint, "--run", run_url])
+def hf_import_command(checkpoint: str, run_url: str, adapter: str | None = None) -> list[str]:
+    """Import a Hugging Face checkpoint as the run's base model (`tpu_jobs.hf import`), and
+    a PEFT adapter as a LoRA run's starting adapters when `adapter` names one."""
+    extra = ["--adapter", adapter] if adapter else []
+    return module_command(HF_MODULE, ["import", checkpoint, *extra, "--run", run_url])
 
 
 def hf_model_overrides(checkpoint: str) -> list[str]:

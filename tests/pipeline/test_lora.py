@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 from pipeline.config import ConfigError, load_config
-from pipeline.lora import LoraConfig, adapter_shapes, is_adapter, merge, target_modules
+from pipeline.lora import (
+    LoraConfig,
+    adapter_shapes,
+    is_adapter,
+    merge,
+    split_adapters,
+    target_modules,
+)
 
 BASE_SHAPES = {
     "embed_tokens.embedding": (10, 4),
@@ -87,3 +94,21 @@ def test_the_section_loads_from_overrides_and_refuses_bad_values():
     ]:
         with pytest.raises(ConfigError, match=allowed):
             load_config("configs/tiny.yaml", [bad])
+
+
+def test_split_adapters_separates_base_and_adapter_tensors():
+    flat = {
+        "norm.weight": np.ones(4, np.float32),
+        "layers.0.self_attn.q_proj.kernel": np.eye(4, dtype=np.float32),
+        "layers.0.self_attn.q_proj.lora_a": np.ones((4, 2), np.float32),
+        "layers.0.self_attn.q_proj.lora_b": np.zeros((2, 4), np.float32),
+    }
+    base, adapters = split_adapters(flat)
+    assert sorted(base) == ["layers.0.self_attn.q_proj.kernel", "norm.weight"]
+    assert sorted(adapters) == [
+        "layers.0.self_attn.q_proj.lora_a",
+        "layers.0.self_attn.q_proj.lora_b",
+    ]
+    assert adapters["layers.0.self_attn.q_proj.lora_a"] is flat["layers.0.self_attn.q_proj.lora_a"]
+    again, none = split_adapters(base)  # full RL: no adapters
+    assert none == {} and again.keys() == base.keys()

@@ -16,9 +16,12 @@ from __future__ import annotations
 import re
 import urllib.request
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from pipeline.lora import LoraConfig, adapter_shapes, split_adapters
 from pipeline.paramserver import ParamServer
 from pipeline.problem_sets import write_data
 from pipeline.run import Run, base_server
@@ -27,6 +30,7 @@ from tpu_jobs.generate.interface import SamplingParams
 from tpu_jobs.generate.sample_verify import ROLLOUT_STREAM, sample_keys
 from tpu_jobs.generate.vllm_sampler import DEFAULT_PYTHON, VllmSampler
 from tpu_jobs.model import hf_checkpoint
+from tpu_jobs.model.peft_adapter import export_peft
 from tpu_jobs.model.transformer import flat_params, init_model, load_flat_params
 from tpu_jobs.rollout_worker import RolloutWorker
 from tpu_jobs.trainer import Trainer
@@ -81,6 +85,11 @@ def hf_logprobs(tmp_path, model, rows, temperature=1.0):
     out = tmp_path / "hf"
     hf_checkpoint.export_hf(out, model.cfg, flat_params(model))
     ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return torch_logprobs(ref, rows, temperature)
+
+
+def torch_logprobs(ref, rows, temperature=1.0):
+    """`ref`'s (a torch causal LM's) log-probs of each row's completion given its prompt."""
     result = []
     for prompt, completion in rows:
         ids = torch.tensor([list(prompt) + list(completion)])
@@ -191,3 +200,40 @@ def test_weight_update_in_place_resets_the_prefix_cache(worker, tmp_path):
     # The same weights again: no reload.
     generate(sampler, worker.model, [prompt], seed=4)
     assert sampler.weight_updates == updates + 1
+
+
+def test_lora_adapters_are_served_merged(worker, tmp_path, monkeypatch):
+    """A model whose parameters carry LoRA adapters (pipeline.lora names, as a LoRA run's
+    policy) is served as base + alpha/rank * A @ B: vLLM's log-probs are those of
+    transformers with the same adapter, exported in PEFT's format, applied by peft."""
+    peft = pytest.importorskip("peft")
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "down"))
+    monkeypatch.setattr(worker.sampler, "lora", lora)  # the worker's run is full RL
+    model = init_model(worker.cfg.model, 3)
+    base = flat_params(model)
+    rng = np.random.default_rng(0)
+    adapters = {
+        name: (0.2 * rng.standard_normal(shape)).astype(np.float32)
+        for name, shape in adapter_shapes({k: v.shape for k, v in base.items()}, lora).items()
+    }
+    for name, value in adapters.items():  # the adapters as parameters of their projections
+        *path, leaf = name.split(".")
+        module = model
+        for part in path:
+            module = module[int(part)] if part.isdigit() else getattr(module, part)
+        setattr(module, leaf, nnx.Param(jnp.asarray(value)))
+    assert split_adapters(flat_params(model))[1].keys() == adapters.keys()
+    prompts = [[1, 5, 9, 12, 7], [1, 30, 31]]
+    out = generate(worker.sampler, model, prompts, seed=5)
+
+    hf_checkpoint.export_hf(tmp_path / "base", worker.cfg.model, base)
+    export_peft(tmp_path / "adapter", lora, adapters)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    ref = peft.PeftModel.from_pretrained(ref.eval(), tmp_path / "adapter").eval()
+    expected = torch_logprobs(ref, rows_of(out, prompts))
+    with ref.disable_adapter():
+        without = torch_logprobs(ref, rows_of(out, prompts))
+    for r in range(len(prompts)):
+        got = out.logprobs[r, : out.lengths[r]]
+        np.testing.assert_allclose(got, expected[r], atol=TOL, rtol=0)
+        assert np.abs(got - without[r]).max() > 100 * TOL  # the adapter matters

@@ -54,6 +54,7 @@ def _vllm(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None) -> Vll
         kv_token_budget=sc.kv_token_budget,
         python=sc.vllm_python,
         args=sc.vllm_args,
+        lora=cfg.lora,
     )
 
 
