@@ -53,7 +53,15 @@ from pipeline.paramserver import StaleEpochError, UnrecoverableVersionError
 from pipeline.paramserver.adapters import server_base_digest
 from pipeline.paramserver.publishing import Publisher, PublishPolicy
 from pipeline.rollouts import RolloutBatch, required_version
-from pipeline.run import CHECKPOINTS_PREFIX, DONE_KEY, Run, RunError, base_server, weights_server
+from pipeline.run import (
+    CHECKPOINTS_PREFIX,
+    DONE_KEY,
+    Run,
+    RunError,
+    base_server,
+    start_adapter_server,
+    weights_server,
+)
 from pipeline.storage import ObjectNotFound
 from pipeline.tasks.base import REWARD_RANGE
 from pipeline.tokenizer.run import run_tokenizer
@@ -61,7 +69,7 @@ from tpu_jobs.learning import checkpoints
 from tpu_jobs.learning.step import Learner
 from tpu_jobs.model import mesh as meshlib
 from tpu_jobs.model.batching import round_up
-from tpu_jobs.model.state import flat_to_params, params_to_flat, state_to_flat
+from tpu_jobs.model.state import flat_to_params, flat_to_state, params_to_flat, state_to_flat
 
 
 class IntegrityError(RuntimeError):
@@ -220,8 +228,8 @@ class Trainer:
             raise RunError(_no_start_message(self.run))
         if self.learner.lora is None:
             params, opt_state = self.learner.init_state(self._base_params())
-        else:  # fresh adapters (B = 0): version 0 is the base itself
-            params, opt_state = self.learner.init_state(self.learner.new_policy(self.cfg.seed))
+        else:
+            params, opt_state = self.learner.init_state(self._start_adapters())
         self.log(f"[trainer] starting from the base model ({base.store.url})")
         return TrainerState(params, opt_state)
 
@@ -235,6 +243,17 @@ class Trainer:
         # Own buffers: arrays made from one (cached) snapshot may alias host memory, and the
         # train state is donated to the step while the reference copy must stay alive.
         return self.learner.place(jax.tree.map(lambda x: jnp.array(x, copy=True), params))
+
+    def _start_adapters(self):
+        """A LoRA run's adapters at step 0: the imported PEFT adapter when there is one
+        (`rlax import-hf --adapter`, `pipeline.run.start_adapter_server`), else fresh ones
+        (B = 0: version 0 is the base itself)."""
+        fresh = self.learner.new_policy(self.cfg.seed)
+        start = start_adapter_server(self.run)
+        if 0 not in start.versions():
+            return fresh
+        self.log(f"[trainer] starting adapters: the imported adapter ({start.store.url})")
+        return self.learner.place(flat_to_state(fresh, start.pull(0).tensors))
 
     def _publish(self, state: TrainerState, epoch: int) -> None:
         version = state.step // self.cfg.trainer.publish_every

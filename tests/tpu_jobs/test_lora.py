@@ -19,7 +19,7 @@ from pipeline.leases import BatchLeases
 from pipeline.lora import LoraConfig, adapter_shapes, is_adapter, merge
 from pipeline.paramserver.adapters import BASE_DIGEST, LORA_SCALE, PolicyReader
 from pipeline.rollouts import to_parquet_bytes
-from pipeline.run import Run, base_server, weights_server
+from pipeline.run import Run, base_server, start_adapter_server, weights_server
 from tests.runs import clone_run
 from tpu_jobs import rollout_worker as rw
 from tpu_jobs.learning.step import Learner
@@ -359,3 +359,17 @@ def test_the_fused_step_gives_the_unfused_steps_adapters(lora_run, trainer, real
     moved = np.mean([np.abs(out[False][k] - start[k]).mean() for k in start])
     apart = np.mean([np.abs(out[True][k] - out[False][k]).mean() for k in start])
     assert moved > 0 and apart <= 1e-2 * moved
+
+
+def test_an_imported_adapter_is_where_training_starts(lora_run, tmp_path):
+    """A PEFT adapter imported into the run (`start_adapter_server` v0, as `rlax import-hf
+    --adapter` writes it) is the trainer's step-0 adapters, bit for bit."""
+    run = clone_run(lora_run, str(tmp_path / "run"), lora_run.config)
+    trainer = Trainer(run, log=lambda m: None, fused=False)
+    fresh = state_to_flat(trainer.learner.new_policy(run.config.seed))
+    start = _random_adapters(flat_to_state(trainer.learner.new_policy(0), fresh), seed=5)
+    server = start_adapter_server(run)
+    server.publish(0, start, epoch=server.acquire_epoch())
+    got = state_to_flat(trainer.restore_or_init().params["policy"])
+    assert sorted(got) == sorted(start)
+    assert all(got[k].tobytes() == start[k].tobytes() for k in start)
