@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ALGORITHMS, MODEL_PRESETS, ConfigError, RunConfig, load_config
+from pipeline.lora import MAX_RANK as MAX_LORA_RANK
 from pipeline.storage import local_path, safe_name
 from pipeline.tasks import TASKS
 
@@ -202,6 +203,15 @@ def rl_params() -> dict[str, Any]:
             "section is taken from it. Empty: SFT bootstrap.",
             "Model",
         ),
+        "lora_rank": opt_int(
+            "LoRA rank",
+            "Train LoRA adapters of this rank on a frozen base instead of every weight "
+            "(0: full RL; lora.alpha, lora.targets and a ~10x larger trainer.lr go in the "
+            "overrides):",
+            0,
+            MAX_LORA_RANK,
+            "Model",
+        ),
         "algorithm": opt_choice("Algorithm", "RL algorithm.", ALGORITHMS, "RL"),
         "steps": opt_int("RL steps", "Trainer steps:", 1, 10_000_000, "RL"),
         "workers": opt_int(
@@ -266,6 +276,8 @@ def config_from_params(params: Mapping[str, Any], model_overrides: Sequence[str]
         extra["task"] = task
     if params.get("model_preset"):
         extra["model"] = {"preset": params["model_preset"]}
+    if params.get("lora_rank") is not None:
+        extra["lora"] = {"rank": params["lora_rank"]}
     trainer: dict[str, Any] = {}
     for param, field in (("algorithm", "algorithm"), ("steps", "steps")):
         if params.get(param) is not None:

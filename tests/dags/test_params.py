@@ -44,9 +44,11 @@ def test_config_from_params_applies_each_param(two_families):
             "workers": 3,
             "max_staleness": 0,
             "eval_k": 8,
+            "lora_rank": 8,
             "overrides": ["trainer.lr=1e-4", "trainer.steps=9"],
         }
     )
+    assert cfg.lora.rank == 8 and cfg.lora.enabled
     assert cfg.task.families == ("arithmetic",) and cfg.task.weights == (1.0,)
     assert cfg.model.preset == "demo" and cfg.workers == 3
     assert cfg.trainer.max_staleness == 0 and cfg.trainer.lr == 1e-4
@@ -123,7 +125,7 @@ def test_dropdowns_label_the_empty_choice_and_bounds_are_declared():
         assert schema["enum"][0] is None and None not in schema["enum"][1:], name
         # The form shows values_display["null"] for the empty choice, not "null".
         assert schema["values_display"]["null"] == "(the config file's)", name
-    for name in ("steps", "workers", "max_staleness", "eval_k", "eval_every"):
+    for name in ("steps", "workers", "max_staleness", "eval_k", "eval_every", "lora_rank"):
         schema = params[name].schema
         assert schema["minimum"] <= schema["maximum"], name
         assert f"{schema['minimum']} to {schema['maximum']:,}" in params[name].description
@@ -146,6 +148,10 @@ def test_dropdowns_label_the_empty_choice_and_bounds_are_declared():
         ("workers", 17, False),
         ("workers", 0, False),
         ("max_staleness", 0, True),
+        ("lora_rank", 0, True),
+        ("lora_rank", 64, True),
+        ("lora_rank", -1, False),
+        ("lora_rank", 4097, False),
         ("eval_every", 0, False),
         ("model_preset", None, True),
         ("model_preset", "tiny", True),
