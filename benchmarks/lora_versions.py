@@ -13,7 +13,14 @@
      pull of a fresh worker, which also reads the base once.
    Each time is the median of `--repeats` pulls with a fresh reader (no cache but the
    OS page cache, warm after the first).
-2. Computed for Qwen2.5-7B and Qwen2.5-32B shapes (HF config.json values): bytes of a full
+2. Sampling with adapters, at the same preset: the model's decode step (64 rows, one new
+   token each, against a 256-slot KV cache) and a prefill (16 x 256 tokens), jitted,
+   with the adapters applied unmerged (an extra `(x @ A) @ B` per projection: the
+   training forward, `tpu_jobs.model.transformer.Linear`) against the plain model that
+   merged weights give; median of `--repeats` x 5 calls. Merging once per version pays
+   when the merge (measured in 1) costs less than the unmerged overhead over the decode
+   steps a version serves.
+3. Computed for Qwen2.5-7B and Qwen2.5-32B shapes (HF config.json values): bytes of a full
    bfloat16 version, of an adapter version at rank 8 and 64, and of a delta version
    extrapolated with the delta/full ratio measured in 1.
 
@@ -204,6 +211,51 @@ def measure(args, root: Path) -> dict:
     return out
 
 
+def sampling_cost(args) -> dict:
+    """ms per decode step and per prefill: the plain model (what merged weights give) and
+    the model with unmerged adapters of each rank (`--ranks`)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tpu_jobs.model.transformer import init_cache, init_model
+
+    cfg = ModelConfig(preset=args.preset)
+    rows, cache_len, pre_b, pre_t = 64, 256, 16, 256
+
+    def timings(model) -> tuple[float, float]:
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def step(state, tokens, positions, mask, cache, index):
+            return nnx.merge(graphdef, state)(tokens, positions, mask, cache, index)[0]
+
+        cache = init_cache(cfg, rows, cache_len)
+        cache = dataclasses.replace(cache, mask=jnp.ones_like(cache.mask))
+        tok = jnp.ones((rows, 1), jnp.int32)
+        pos = jnp.full((rows, 1), cache_len // 2, jnp.int32)
+        index = jnp.int32(cache_len // 2)
+        pre = jnp.ones((pre_b, pre_t), jnp.int32)
+        pre_pos = jnp.broadcast_to(jnp.arange(pre_t, dtype=jnp.int32), (pre_b, pre_t))
+
+        def decode():
+            step(state, tok, pos, jnp.ones_like(tok), cache, index).block_until_ready()
+
+        prefill_fn = jax.jit(lambda st, t, p_, m: nnx.merge(graphdef, st)(t, p_, m)[0])
+
+        def prefill():
+            prefill_fn(state, pre, pre_pos, jnp.ones_like(pre)).block_until_ready()
+
+        decode(), prefill()  # compile
+        n = 5 * args.repeats
+        return 1e3 * timed(decode, n), 1e3 * timed(prefill, n)
+
+    out = {"plain": timings(init_model(cfg, 0))}
+    for rank in args.ranks:
+        out[rank] = timings(init_model(cfg, 0, LoraConfig(rank=rank)))
+    return out
+
+
 def computed() -> list[tuple[str, int, dict[int, int]]]:
     rows = []
     for name, dims in SHAPES.items():
@@ -216,6 +268,28 @@ def computed() -> list[tuple[str, int, dict[int, int]]]:
             ranks[rank] = 2 * sum(int(np.prod(s)) for s in a.values())
         rows.append((name, full, ranks))
     return rows
+
+
+def _merge_break_even(m: dict) -> list[str]:
+    """How many decode steps of unmerged overhead one merge per version pays for."""
+    plain = m["sampling"]["plain"][0]
+    merges = {
+        rank: merge_s
+        for name, _, _, merge_s in m["rows"]
+        for rank in (8, 64)
+        if merge_s is not None and name.startswith(f"adapters rank {rank} (")
+    }
+    out = []
+    for rank, merge_s in sorted(merges.items()):
+        if rank not in m["sampling"]:
+            continue
+        extra = m["sampling"][rank][0] - plain
+        steps = "never (no overhead measured)" if extra <= 0 else f"{1e3 * merge_s / extra:,.0f}"
+        out.append(
+            f"- rank {rank}: a merge ({merge_s:.3f} s per version) costs as much as the "
+            f"unmerged overhead of {steps} decode steps of 64 rows (+{extra:.1f} ms each)."
+        )
+    return out
 
 
 def report(m: dict, comp, args) -> str:
@@ -250,6 +324,23 @@ def report(m: dict, comp, args) -> str:
         f"changed {m['delta_changed_fraction']:.0%} of the bfloat16 elements "
         "(benchmarks/results/paramserver_deltas.md measured 6-58% on a real run).",
         "",
+        "## Measured: sampling with merged weights vs unmerged adapters",
+        "",
+        "The model's decode step (64 rows x 1 token, 256-slot KV cache) and a prefill "
+        f"(16 x 256 tokens) at `{m['preset']}`, jitted; median of {5 * args.repeats} calls. "
+        "Merged: the plain model (what `pipeline.lora.merge` gives the samplers).",
+        "",
+        "| weights | decode step (ms) | vs merged | prefill (ms) | vs merged |",
+        "|---|---:|---:|---:|---:|",
+        *(
+            f"| {'merged (plain kernels)' if k == 'plain' else f'unmerged adapters, rank {k}'} "
+            f"| {d:.1f} | {d / m['sampling']['plain'][0]:.2f}x | {f:.1f} "
+            f"| {f / m['sampling']['plain'][1]:.2f}x |"
+            for k, (d, f) in m["sampling"].items()
+        ),
+        "",
+        *_merge_break_even(m),
+        "",
         "## Computed: bytes per version at real shapes (bfloat16, all seven projections)",
         "",
         "Delta: the full version times the delta/full ratio measured above "
@@ -273,8 +364,8 @@ def report(m: dict, comp, args) -> str:
         "- A worker merges each version once (`pipeline.lora.merge`, float32 NumPy) into the "
         "base it holds; the samplers and decode layouts then read plain kernels, so sampling "
         "costs what it costs without LoRA. The merge is the larger part of an adapter pull "
-        "here; unmerged sampling (an extra (x @ A) @ B per projection and token) was not "
-        "measured faster and is not implemented.",
+        "here; unmerged sampling (an extra (x @ A) @ B per projection and token) is not "
+        "faster in the table above at any rank, so it is not implemented.",
         "- The first pull of a fresh worker reads the float32 base once (the run's `base/`).",
         "- On the local store a full pull is memory-mapped shard files checked by crc32c, no "
         "copy, so it is the fastest here; over a network the bytes dominate (a 7B full "
@@ -290,10 +381,13 @@ def main() -> None:
     parser.add_argument("--preset", default="100m")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lr", type=float, default=3e-5)
+    parser.add_argument("--ranks", default="8,64", help="adapter ranks of the sampling rows")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
+    args.ranks = [int(r) for r in args.ranks.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         m = measure(args, Path(tmp))
+    m["sampling"] = sampling_cost(args)
     text = report(m, computed(), args)
     Path(args.out).write_text(text)
     print(text)
