@@ -17,6 +17,11 @@ is a row, so each item's effect on the same shape is visible:
   GPU, model.attention=cudnn (flash attention) does the same job faster; it cannot be
   compiled on a CPU.
 
+`--lora 64` compiles each train-step row as a LoRA run instead (lora.rank=64,
+lora.base_dtype=bfloat16; row "<setting> + LoRA r64, bf16 base"): the trained state is the
+adapters and their AdamW moments, the frozen bfloat16 base an argument beside them (and the
+KL reference); `--lora 0,64` gives both rows (0 = full RL).
+
 `--fsdp N` compiles the train-step rows on a mesh of N fake CPU devices with
 mesh.trainer = [1, N, 1] (FSDP; the activation constraints of tpu_jobs/model/constraints.py):
 the figures are per device. Sampler rows: `float32` / `bfloat16`, and `kv budget` rows
@@ -25,6 +30,7 @@ under sampler.kv_token_budget (`--kv-budget`, token slots per generate program).
 Rows are 8 sequences of `prompt + completion` tokens (GRPO, one group of 8).
 
     .venv/bin/python benchmarks/memory.py [--models 0.5b] [--tokens 2048,8192] [--fsdp 8]
+        [--lora 0,64]
 
 Compiles take minutes per row on 2 cores (24 layers at 8k tokens); `--models 7b` at 16k
 needs a machine with more memory for the compiler. Writes benchmarks/results/memory.md.
@@ -63,11 +69,14 @@ GIB = 2**30
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="0.5b", help="of 0.5b, 1.5b, 7b")
+    parser.add_argument("--models", default="0.5b", help="of 0.5b, 1.5b, 7b, 32b")
     parser.add_argument("--tokens", default="2048,8192", help="tokens per sequence")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="rows, by name")
     parser.add_argument("--sampler", default="64x256+1024,64x256+4096", help="'' for none")
     parser.add_argument("--fsdp", type=int, default=0, help="train step on N fake devices")
+    parser.add_argument(
+        "--lora", default="0", help="train-step rows at these LoRA ranks (0 = full RL)"
+    )
     parser.add_argument(
         "--kv-budget", type=int, default=131072, help="sampler.kv_token_budget of its rows"
     )
@@ -106,11 +115,16 @@ def main(argv: list[str] | None = None) -> None:
     for shape in args.models.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
             for name in filter(None, args.settings.split(",")):
-                t0 = time.perf_counter()
-                m = train_step_memory(config(shape, tokens, SETTINGS[name]), PROMPT, mesh)
-                rows.append(("train step", shape, f"8 x {tokens}", name + on, m,
-                             time.perf_counter() - t0))  # fmt: skip
-                print(rows[-1], flush=True)
+                for rank in (int(r) for r in args.lora.split(",")):
+                    extra, row = SETTINGS[name], name
+                    if rank:
+                        extra = [*extra, f"lora.rank={rank}", "lora.base_dtype=bfloat16"]
+                        row = f"{name} + LoRA r{rank}, bf16 base"
+                    t0 = time.perf_counter()
+                    m = train_step_memory(config(shape, tokens, extra), PROMPT, mesh)
+                    rows.append(("train step", shape, f"8 x {tokens}", row + on, m,
+                                 time.perf_counter() - t0))  # fmt: skip
+                    print(rows[-1], flush=True)
         for spec in filter(None, args.sampler.split(",")):
             batch, rest = spec.split("x")
             prompt, new = (int(x) for x in rest.split("+"))

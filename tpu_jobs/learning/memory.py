@@ -1,10 +1,13 @@
 """What XLA says a program needs, compiled for abstract inputs and never run.
 
 `train_step_memory` compiles the trainer's whole step (one fused program: forward, loss,
-backward, optimizer update) for a run config; `sampler_memory` compiles the sampler's
-generate program. Both take `jax.ShapeDtypeStruct`s only, so a 7B shape compiles on a
-laptop. The figures are `compiled.memory_analysis()`'s: temporaries (the program's own
-buffers), arguments and outputs, per device. benchmarks/memory.py tabulates them, and
+backward, optimizer update) for a run config, LoRA runs included (`lora.rank` > 0: the
+adapters and their AdamW state are the trained state; the frozen base, in
+`lora.base_dtype`, is an argument beside them, placed like the full model's params);
+`sampler_memory` compiles the sampler's generate program. Both take
+`jax.ShapeDtypeStruct`s only, so a 7B shape compiles on a laptop. The figures are
+`compiled.memory_analysis()`'s: temporaries (the program's own buffers), arguments and
+outputs, per device. benchmarks/memory.py tabulates them, and
 tests/tpu_jobs/test_memory_guard.py holds the line on the largest temporaries.
 """
 
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 from pipeline.config import RunConfig
 from tpu_jobs.learning.step import Learner, StepInputs
 
-# Hugging Face config.json values of Qwen/Qwen2.5-{0.5B,1.5B,7B}, as config overrides
+# Hugging Face config.json values of Qwen/Qwen2.5-{0.5B,1.5B,7B,32B}, as config overrides
 # (`qwen25_overrides`): the shapes benchmarks/memory.py and benchmarks/accelerator.py use.
 QWEN25: dict[str, dict[str, object]] = {
     "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
@@ -28,8 +31,10 @@ QWEN25: dict[str, dict[str, object]] = {
                  intermediate_size=8960, tie_embeddings=True),
     "7b": dict(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
                intermediate_size=18944, tie_embeddings=False),
+    "32b": dict(hidden_size=5120, num_layers=64, num_heads=40, num_kv_heads=8,
+                intermediate_size=27648, tie_embeddings=False, vocab_size=152_064),
 }  # fmt: skip
-QWEN25_VOCAB = 151_936
+QWEN25_VOCAB = 151_936  # 0.5B to 14B; 32B and 72B have 152,064 (their `vocab_size` above)
 
 
 def qwen25_overrides(shape: str) -> list[str]:
@@ -37,9 +42,9 @@ def qwen25_overrides(shape: str) -> list[str]:
     benchmarks feed random ids, so any tokenizer that fits the vocabulary will do)."""
     if shape not in QWEN25:
         raise ValueError(f"shape {shape!r} is unknown; allowed: {', '.join(QWEN25)}")
-    model = [f"model.{k}={str(v).lower()}" for k, v in QWEN25[shape].items()]
-    return [*model, f"model.vocab_size={QWEN25_VOCAB}", "model.qkv_bias=true",
-            "model.tokenizer=byte"]  # fmt: skip
+    values = {"vocab_size": QWEN25_VOCAB, **QWEN25[shape]}
+    model = [f"model.{k}={str(v).lower()}" for k, v in values.items()]
+    return [*model, "model.qkv_bias=true", "model.tokenizer=byte"]
 
 
 def _figures(compiled: Any) -> dict[str, int]:
@@ -58,7 +63,8 @@ def train_step_memory(
     """memory_analysis() figures of the trainer's fused step for `cfg`: rows =
     rollout.prompts_per_batch * group_size, prompt_len + sampler.max_new_tokens tokens
     each. On one device, or per device of `mesh` (the state placed by the trainer's rules,
-    the batch split over data x fsdp, as `Learner` does)."""
+    the batch split over data x fsdp, as `Learner` does). With LoRA the arguments are the
+    adapters, their optimizer state, the frozen base and the batch."""
     return _figures(compile_train_step(cfg, prompt_len, mesh))
 
 
@@ -76,7 +82,10 @@ def compile_train_step(
             "train_step_memory compiles the single-update step; allowed: trainer.mini_batches"
             "=1, trainer.epochs=1, trainer.micro_batch=0"
         )
+    # Shapes placed on `mesh` by the Learner (abstract): the train state, and the frozen
+    # base of a LoRA run (None otherwise) split like the full model's params.
     params, opt_state = learner.template
+    frozen = learner.base_template
     r, t, c = learner.rows, prompt_len + learner.completion_len, learner.completion_len
 
     def sds(shape, dtype):
@@ -90,9 +99,12 @@ def compile_train_step(
         sds((r, c), jnp.float32),
         sds((r,), jnp.float32),
     )
-    ref = params if learner.needs_ref else None
+    # The reference of KL terms is the initial policy: a copy of the full params, or
+    # (LoRA) the frozen base, which the step reads from `frozen` (`Learner.fused_reference`).
+    ref = learner.fused_reference(params["policy"])
+    args = (params, opt_state, ref, inp, None, frozen, learner.dropout_key(0))
     with learner.under_mesh():
-        return learner._fused_step.lower(params, opt_state, ref, inp, None).compile()
+        return learner._fused_step.lower(*args).compile()
 
 
 def sampler_memory(

@@ -333,6 +333,15 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.asarray([jnp.isfinite(x).all() for x in leaves]))
 
 
+def _placed_shapes(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """`tree`'s `jax.ShapeDtypeStruct`s with the shardings `Learner.place` would give."""
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        tree,
+        meshlib.tree_shardings(tree, mesh),
+    )
+
+
 def _keep_shardings(apply_fn, state):
     """`apply_fn` whose gradients and new (params, opt_state) are constrained to the
     shardings of `state` = (params, opt_state): each device reduces only its own shard of
@@ -457,11 +466,9 @@ class Learner:
             self.template = jax.eval_shape(lambda: self.init_params(self.new_policy(0)))
             self.template = self.template, jax.eval_shape(self.tx.init, self.template)
             if mesh is not None:  # the shapes carry the placement `place` would give
-                self.template = jax.tree.map(
-                    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                    self.template,
-                    meshlib.tree_shardings(self.template, mesh),
-                )
+                self.template = _placed_shapes(self.template, mesh)
+                if self.base_template is not None:  # as `frozen_base` places the base
+                    self.base_template = _placed_shapes(self.base_template, mesh)
         else:
             self.template = self.init_state(self.new_policy(cfg.seed))
         if mesh is not None:
@@ -487,6 +494,8 @@ class Learner:
         outputs, ref_outputs = self.programs.outputs, self.programs.ref_outputs
 
         def step(params, opt_state, ref_params, inp, packing: Packing | None, frozen, dropout_key):
+            if self.lora is not None and self.needs_ref:
+                ref_params = frozen  # `fused_reference`: the base is the reference
             logp_ref = None
             if ref_params is not None:
                 logp_ref = ref_outputs(ref_params, inp.tokens, inp.mask, packing)
@@ -558,6 +567,13 @@ class Learner:
         with self.under_mesh():
             return self._step(params, opt_state, ref_params, inp, (frozen, self.dropout_key(step)))
 
+    def fused_reference(self, ref_params: Any) -> Any:
+        """The fused step's `ref_params` argument: the reference when the objective needs
+        one, else None. With LoRA, None too: the reference is the frozen base, which the
+        program takes once as `frozen` rather than as a second argument (XLA counts each
+        argument's bytes, so the memory analysis would show the base twice)."""
+        return ref_params if self.needs_ref and self.lora is None else None
+
     def dropout_key(self, step: int) -> jax.Array | None:
         """LoRA dropout's key of trainer step `step` (its own stream of the run's seed; the
         same masks for every forward of the step, so pi_old and the updates agree); None
@@ -583,9 +599,8 @@ class Learner:
         if ref_params is not None and self.needs_ref and not self.fused:
             logp_ref = self.programs.ref_logp(ref_params, inp.tokens, inp.mask, packing)
         if self.fused:
-            ref = ref_params if self.needs_ref else None
             params, opt_state, metrics = self._fused_step(
-                params, opt_state, ref, inp, packing, *fixed
+                params, opt_state, self.fused_reference(ref_params), inp, packing, *fixed
             )
             return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
         if self.single:
