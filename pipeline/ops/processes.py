@@ -183,6 +183,9 @@ def group_running(pgid: int) -> bool:
 # ------------------------------------------------------------------ stopping processes
 
 
+FIRST_SIGNAL_GRACE_S = 5.0  # stop_group: how long `first` alone may take
+
+
 def stop_group(
     pgid: int,
     grace_s: float,
@@ -191,7 +194,7 @@ def stop_group(
     reap: subprocess.Popen | None = None,
 ) -> None:
     """Stop process group `pgid`: signal it with `first` (PostgreSQL's fast shutdown is
-    SIGINT), then SIGTERM (the trainer checkpoints on it) and wait up to `grace_s` for all
+    SIGINT) and wait up to FIRST_SIGNAL_GRACE_S for it, then SIGTERM (the trainer checkpoints on it) and wait up to `grace_s` for all
     of it to be gone, then SIGKILL. `reap`: the group leader when it is our `Popen` child,
     reaped while waiting (its exit status stays with it), and the call returns once every
     process of the group is gone and reaped; without `reap` zombies do not count as running
@@ -199,7 +202,9 @@ def stop_group(
     alive = group_running if reap is None else group_alive
     plan = [(signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)]
     if first != signal.SIGTERM:
-        plan.insert(0, (first, 0.0))
+        # Give the first signal its own short grace: a process exiting on it must not get
+        # SIGTERM mid-exit (Python restores default handlers while it shuts down).
+        plan.insert(0, (first, min(grace_s, FIRST_SIGNAL_GRACE_S)))
     for sig, wait in plan:
         try:
             os.killpg(pgid, sig)

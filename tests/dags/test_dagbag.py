@@ -143,6 +143,7 @@ def test_params_have_types_descriptions_and_validate(dagbag):
         "source_data",
         "model_preset",
         "hf_checkpoint",
+        "lora_rank",
         "algorithm",
         "steps",
         "workers",

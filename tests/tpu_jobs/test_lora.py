@@ -33,6 +33,8 @@ from tpu_jobs.model.transformer import (
 )
 from tpu_jobs.trainer import Trainer
 
+pytestmark = pytest.mark.lora  # the `lora` lane of .ci/run (make test stays < 12 min)
+
 TINY = C.ModelConfig(preset="tiny")
 LORA = LoraConfig(rank=4, alpha=8.0)
 EPS32 = float(np.finfo(np.float32).eps)

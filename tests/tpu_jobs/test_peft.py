@@ -16,6 +16,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.lora  # the `lora` lane of .ci/run (make test stays < 12 min)
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
