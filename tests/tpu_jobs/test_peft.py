@@ -100,12 +100,14 @@ def test_peft_applies_the_exported_adapter_as_we_do(bases, family, tmp_path):
     adapter_dir = peft_adapter.export_peft(tmp_path / "adapter", LORA, adapters)
     ref = peft_logits(hf_model, adapter_dir)
     # The samplers' path: the base's flat tensors merged (pipeline.lora.merge), loaded.
-    # TODO(issue 39, core): also the model's unmerged forward with adapters, once
-    # tpu_jobs.model carries them (the lead wires it at merge).
     model = init_model(cfg, 0)
     load_flat_params(model, merge(flat, adapters, LORA.scale))
     real = MASK.astype(bool)
     assert np.abs(our_logits(model, TOKENS, MASK) - ref)[real].max() <= TOL
+    # The trainer's path: the base and the adapters unmerged, in the model's LoRA `Linear`.
+    unmerged = init_model(cfg, 0, LORA)
+    load_flat_params(unmerged, {**flat, **adapters})
+    assert np.abs(our_logits(unmerged, TOKENS, MASK) - ref)[real].max() <= TOL
     # The adapter matters far beyond the bound, so a wrong layout cannot pass.
     assert np.abs(hf_logits(hf_model, TOKENS, MASK) - ref)[real].max() > 100 * TOL
 
