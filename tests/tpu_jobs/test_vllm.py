@@ -16,10 +16,8 @@ from __future__ import annotations
 import re
 import urllib.request
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from pipeline.lora import LoraConfig, adapter_shapes, split_adapters
 from pipeline.paramserver import ParamServer
@@ -209,19 +207,15 @@ def test_lora_adapters_are_served_merged(worker, tmp_path, monkeypatch):
     peft = pytest.importorskip("peft")
     lora = LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "down"))
     monkeypatch.setattr(worker.sampler, "lora", lora)  # the worker's run is full RL
-    model = init_model(worker.cfg.model, 3)
-    base = flat_params(model)
+    model = init_model(worker.cfg.model, 3, lora)  # the projections hold adapters and scale
+    base, initial = split_adapters(flat_params(model))
     rng = np.random.default_rng(0)
-    adapters = {
-        name: (0.2 * rng.standard_normal(shape)).astype(np.float32)
-        for name, shape in adapter_shapes({k: v.shape for k, v in base.items()}, lora).items()
+    adapters = {  # B starts at zero: random values so that the adapter changes the outputs
+        name: (0.2 * rng.standard_normal(value.shape)).astype(np.float32)
+        for name, value in initial.items()
     }
-    for name, value in adapters.items():  # the adapters as parameters of their projections
-        *path, leaf = name.split(".")
-        module = model
-        for part in path:
-            module = module[int(part)] if part.isdigit() else getattr(module, part)
-        setattr(module, leaf, nnx.Param(jnp.asarray(value)))
+    assert adapters.keys() == adapter_shapes({k: v.shape for k, v in base.items()}, lora).keys()
+    load_flat_params(model, {**base, **adapters})
     assert split_adapters(flat_params(model))[1].keys() == adapters.keys()
     prompts = [[1, 5, 9, 12, 7], [1, 30, 31]]
     out = generate(worker.sampler, model, prompts, seed=5)
