@@ -400,6 +400,13 @@ class TrainerConfig:
     # step with non-finite gradients or parameters (skipped) is a failure; this many in a
     # row, with no good step between, stop the trainer with an error.
     max_consecutive_failures: int = 3
+    # --- learning to judge --------------------------------------------------------------
+    # The loss weight of judge rows (rollout.judge_fraction > 0) relative to solve rows:
+    # every loss part of a judge row is multiplied by it before aggregation. A judge row
+    # carries its loss on one verdict token, so under a per-sequence aggregation it has
+    # ~10x a solve row's gradient norm and, at weight 1, crowds out solving
+    # (benchmarks/results/selfprm.md).
+    judge_loss_weight: float = 1.0
 
     def __post_init__(self) -> None:
         _one_of("trainer.algorithm", self.algorithm, ALGORITHMS)
@@ -450,6 +457,12 @@ class TrainerConfig:
         )
         _check(self.max_staleness >= 0, "trainer.max_staleness", self.max_staleness, ">= 0")
         _check(self.micro_batch >= 0, "trainer.micro_batch", self.micro_batch, ">= 0")
+        _check(
+            0 <= self.judge_loss_weight <= 100,
+            "trainer.judge_loss_weight",
+            self.judge_loss_weight,
+            "[0, 100] (1: a judge row weighs as a solve row)",
+        )
 
     def loss_overrides(self) -> dict[str, Any]:
         """The LossSpec fields set here (the others are the preset's): pass them to

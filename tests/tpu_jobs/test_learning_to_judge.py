@@ -282,6 +282,30 @@ def test_loss_mask_keeps_only_the_verdict_tokens(judge_cfg):
     assert unmasked["grad_norm"] != pytest.approx(metrics["grad_norm"], rel=1e-3)
 
 
+def test_judge_loss_weight_scales_the_judge_rows(judge_cfg):
+    """trainer.judge_loss_weight: the weight sits on exactly the judge rows, and at 0 the
+    judge group moves nothing: the step equals one where the judge group's rewards are
+    constant (zero advantages; the KL term is 0 with gradient 0 at the reference)."""
+    batch = _hand_batch()
+    prompt_len = round_up(max(len(p) for p in batch.prompt_ids), 8)
+    plain = Learner(judge_cfg, prompt_len, fused=False)
+    assert plain.inputs(batch).row_weight is None  # weight 1: the unweighted programs
+    cfg = tiny_config(
+        "rollout.judge_fraction=0.25", "trainer.algorithm=grpo", "trainer.judge_loss_weight=0"
+    )
+    weighted = Learner(cfg, prompt_len, fused=False)
+    w = np.asarray(weighted.inputs(batch).row_weight)
+    assert w[:8].tolist() == [1, 1, 1, 1, 0, 0, 0, 0] and (w[8:] == 1).all()
+    _, metrics = _step(weighted, batch)
+    flat = replace(batch, reward=np.array([1, 0, 0, 1, 1, 1, 1, 1], np.float32))
+    _, metrics_flat = _step(plain, flat)
+    _, metrics_plain = _step(plain, batch)
+    for key in ("grad_norm", "pg_loss", "loss"):
+        assert metrics[key] == pytest.approx(metrics_flat[key], rel=1e-5, abs=1e-9), key
+    # At weight 1 the judge group does carry gradient.
+    assert metrics_plain["grad_norm"] > 1.05 * metrics["grad_norm"]
+
+
 # --------------------------------------------------------------------------------------
 # A tiny run with judging on: real judge groups from the SFT'd base, three trainer steps
 # --------------------------------------------------------------------------------------

@@ -954,6 +954,7 @@ def compute_loss(
     returns: Array | None = None,
     entropy: Array | None = None,
     norm: Any = None,
+    row_weight: Array | None = None,
 ) -> tuple[Array, Metrics]:
     """The full objective of `spec` (a scalar to minimise) and its metrics.
 
@@ -965,6 +966,9 @@ def compute_loss(
       advantage "gae", which produces them from old_values); is_correction != "none" ->
       logp_behaviour (the sampler's log-probs; the weight is pi_old / pi_sampler).
     `norm` overrides the aggregation's denominator (see AGGREGATIONS) for micro-batching.
+    `row_weight` [B] multiplies every per-token loss part of a row before aggregation (the
+    denominators still count the row as one sequence / its tokens): learning to judge's
+    `trainer.judge_loss_weight`. None: every row weighs 1 (the same program as before).
 
     Metrics (scalars): loss, pg_loss, the policy loss's clip/ratio metrics, kl_ref (k3 mean,
     if logp_ref given), kl_loss, entropy (if given), neg_logp_mean (entropy proxy: mean
@@ -1006,6 +1010,8 @@ def compute_loss(
     aggregate = AGGREGATIONS[spec.aggregation]
 
     def agg(x: Array) -> Array:
+        if row_weight is not None:
+            x = x * jnp.asarray(row_weight, x.dtype)[:, None]
         return aggregate(x, mask, max_len=spec.max_len or None, norm=norm)
 
     per_token, pm = POLICY_LOSSES[spec.policy_loss](

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -92,6 +93,14 @@ class StepInputs(NamedTuple):
     comp_mask: Any  # [R, C] float32
     logp_behaviour: Any  # [R, C] float32, the sampler's log-probs
     rewards: Any  # [R] float32
+    # [R] float32 loss weights (trainer.judge_loss_weight on judge rows), or None: every
+    # row weighs 1 and the programs are those of a run without the weight.
+    row_weight: Any = None
+
+
+def _arrays(inp: StepInputs, convert: Callable[[Any], Any]) -> StepInputs:
+    """`inp` with `convert` applied to each array (the optional ones stay None)."""
+    return StepInputs(*(None if x is None else convert(x) for x in inp))
 
 
 class Prepared(NamedTuple):
@@ -243,6 +252,7 @@ def _head_loss(spec: LossSpec, group_size: int, recompute: bool):
             old_values=old_values,
             entropy=entropy,
             norm=norm,
+            row_weight=inp.row_weight,
             **extra,
         )
         metrics = dict(metrics)
@@ -403,6 +413,12 @@ class Learner:
             self.completion_len = judged_completion_len(
                 cfg.sampler.max_new_tokens, tokenizer or get_tokenizer("char")
             )
+        # The judge rows' loss weight, None when it cannot act (no judge groups, or 1).
+        self.judge_loss_weight = (
+            tc.judge_loss_weight
+            if cfg.rollout.judge_groups() and tc.judge_loss_weight != 1.0
+            else None
+        )
         self.group_size = cfg.rollout.group_size
         self.groups = cfg.rollout.prompts_per_batch
         self.rows = self.groups * self.group_size
@@ -594,7 +610,7 @@ class Learner:
         """`fixed`: (the frozen base, the LoRA dropout key), None each without."""
         host = inp  # as given (host arrays from `inputs`): what packing reads
         packing = self._pack(host)  # the whole batch's, for the whole-batch programs
-        inp = self._place_batch(StepInputs(*(jnp.asarray(x) for x in inp)))
+        inp = self._place_batch(_arrays(inp, jnp.asarray))
         logp_ref = None
         if ref_params is not None and self.needs_ref and not self.fused:
             logp_ref = self.programs.ref_logp(ref_params, inp.tokens, inp.mask, packing)
@@ -615,7 +631,7 @@ class Learner:
         micro_packings = {}
         if self.cfg.trainer.pack:
             micro_packings = {
-                m0: self._pack(StepInputs(*(x[m0 : m0 + self.micro_rows] for x in host)))
+                m0: self._pack(_arrays(host, lambda x, m0=m0: x[m0 : m0 + self.micro_rows]))
                 for m0 in range(0, self.rows, self.micro_rows)
             }
         per_update: list[dict[str, Any]] = []
@@ -678,4 +694,8 @@ class Learner:
         logp_b = pad_values(list(batch.behaviour_logprobs) + [[]] * pad, self.completion_len)
         rewards = np.zeros(self.rows, np.float32)
         rewards[:n] = batch.reward
-        return StepInputs(tokens, mask, comp_mask, logp_b, rewards)
+        row_weight = None
+        if self.judge_loss_weight is not None:
+            row_weight = np.ones(self.rows, np.float32)
+            row_weight[:n][batch.is_judge()] = self.judge_loss_weight
+        return StepInputs(tokens, mask, comp_mask, logp_b, rewards, row_weight)
