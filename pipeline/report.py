@@ -6,7 +6,11 @@ Reads only what the roles wrote (metrics records, eval summaries); never recompu
     report/curves.png        held-out pass@k / maj@k per version; training reward per step
     report/metrics_vs_k.png  pass@k, maj@k, self_prm@k, orm@k against k (last version)
     report/judge_buckets.png self-judgment (and ORM) precision / recall by difficulty tercile
-    report/judge_vs_pass.png judge accuracy vs pass@1 per version (co-evolution)
+    report/judge_vs_pass.png co-evolution per version: pass@1, judge accuracy and AUCs
+                             (within-problem too), self_prm@k - maj@k, judge vs pass@1
+
+Where self_prm@k appears, the report says what judged: `judge_provenance` of the run's
+config (RL judge groups, SFT verdicts only, or a judge nothing trained).
 
 `build_report` then feeds the run's trackers (`pipeline/tracking.py`, the `tracking`
 section): by default the TensorBoard event files in `{run}/tensorboard/` of a local run
@@ -20,9 +24,12 @@ from __future__ import annotations
 
 import html
 import io
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from pipeline.config import RunConfig
 from pipeline.run import REPORT_PREFIX, Run
 from pipeline.tracking import TrackedRun
 
@@ -82,6 +89,91 @@ COEVOLUTION = (
     "orm_auc_within",
 )
 JUDGE_NAMES = {"self_prm": "self-judge", "orm": "ORM"}  # self-judge: the evaluated version
+
+
+@dataclass(frozen=True)
+class JudgeProvenance:
+    """How the run's self-judge (the judge behind self_prm@k) came to judge.
+
+    `label` is short enough for a column heading or a legend; `detail`, when there is one,
+    says what it means for the numbers and where judging is trained."""
+
+    name: str
+    label: str
+    detail: str
+    applies: Callable[[RunConfig], bool]
+
+    @property
+    def text(self) -> str:
+        """The label with its detail: what the report writes beside self_prm@k."""
+        return f"{self.label}: {self.detail}" if self.detail else self.label
+
+
+# First match wins, so the order is the precedence: RL judge groups train the judge
+# whatever SFT did; SFT verdicts only teach it; without either, self_prm@k reranks with a
+# judge nothing trained, and a reader must not take its numbers for the method's (issue
+# 41: the default demo showed Self-PRM 30 points under the vote at chance-level AUC). A
+# stage with 0 steps trains nothing, whatever its judge_fraction.
+JUDGE_PROVENANCES: tuple[JudgeProvenance, ...] = (
+    JudgeProvenance(
+        "rl_judge_groups",
+        "trained judge (RL judge groups)",
+        "",
+        lambda c: c.rollout.judge_fraction > 0 and c.trainer.steps > 0,
+    ),
+    JudgeProvenance(
+        "sft_verdicts",
+        "SFT-taught judge, not trained by RL",
+        "",
+        lambda c: c.sft.judge_fraction > 0 and c.sft.steps > 0,
+    ),
+    JudgeProvenance(
+        "untrained",
+        "untrained judge",
+        "this run never trained judging (see configs/demo_judge.yaml / README 'Self-PRM')",
+        lambda c: True,
+    ),
+)
+
+
+def judge_provenance(cfg: RunConfig) -> JudgeProvenance:
+    """The entry of `JUDGE_PROVENANCES` that describes the run's self-judge (from its
+    config: `rollout.judge_fraction`, `sft.judge_fraction` and their stages' steps)."""
+    return next(p for p in JUDGE_PROVENANCES if p.applies(cfg))
+
+
+# A point of a per-version series: (version, mean, lo, hi); lo and hi are None when the
+# record holds no interval.
+Point = tuple[int, float, float | None, float | None]
+
+
+def coevolution_k(evals: list[dict[str, Any]]) -> int | None:
+    """The largest k whose paired self_prm_vs_maj@k the records hold (None: no Self-PRM)."""
+    prefix = "self_prm_vs_maj@"
+    ks = [int(n[len(prefix) :]) for e in evals for n in e["metrics"] if n.startswith(prefix)]
+    return max(ks, default=None)
+
+
+def coevolution_names(evals: list[dict[str, Any]]) -> list[str]:
+    """The per-version metrics of the co-evolution table and figure that the records hold:
+    `COEVOLUTION`, then self_prm_vs_maj@k at `coevolution_k`."""
+    k = coevolution_k(evals)
+    names = [*COEVOLUTION, *([f"self_prm_vs_maj@{k}"] if k is not None else [])]
+    return [n for n in names if any(n in e["metrics"] for e in evals)]
+
+
+def coevolution_series(evals: list[dict[str, Any]]) -> dict[str, list[Point]]:
+    """{metric: [(version, mean, lo, hi), ...] in version order} for `coevolution_names`:
+    what the co-evolution figure plots, read from the records as they are."""
+
+    def point(version: int, m: dict[str, float]) -> Point:
+        return version, m["mean"], m.get("lo"), m.get("hi")
+
+    ordered = sorted(evals, key=lambda e: e["version"])
+    return {
+        name: [point(e["version"], e["metrics"][name]) for e in ordered if name in e["metrics"]]
+        for name in coevolution_names(evals)
+    }
 
 
 def _family(name: str) -> str:
@@ -159,28 +251,42 @@ def _ks(record: dict[str, Any]) -> list[int]:
     return sorted({int(n.split("@")[1]) for n in record["metrics"] if n.startswith("pass@")})
 
 
-def plot_metrics_vs_k(record: dict[str, Any]) -> bytes:
-    """pass@k, maj@k, self_prm@k, orm@k against k for one version, with 95% intervals."""
+def _errorbar(ax, points: list[Point], **kw) -> None:
+    """One series of (version or k, mean, lo, hi) points with its 95% intervals (none drawn
+    for a point without one)."""
+    x = [p[0] for p in points]
+    mean = [p[1] for p in points]
+    err = [
+        [0.0 if p[2] is None else p[1] - p[2] for p in points],
+        [0.0 if p[3] is None else p[3] - p[1] for p in points],
+    ]
+    ax.errorbar(x, mean, yerr=err, capsize=3, **kw)
+
+
+def plot_metrics_vs_k(record: dict[str, Any], judge: JudgeProvenance | None = None) -> bytes:
+    """pass@k, maj@k, self_prm@k, orm@k against k for one version, with 95% intervals;
+    `judge` names what self_prm@k measures (legend and title)."""
     plt = _matplotlib()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, ax = plt.subplots(figsize=(6.5, 4.6))
     ks = _ks(record)
     for fam, marker in (("pass", "o"), ("maj", "s"), ("self_prm", "^"), ("orm", "D")):
-        pts = [(k, record["metrics"].get(f"{fam}@{k}")) for k in ks]
-        pts = [(k, m) for k, m in pts if m is not None]
+        ms = [(k, record["metrics"].get(f"{fam}@{k}")) for k in ks]
+        pts = [(k, m["mean"], m.get("lo"), m.get("hi")) for k, m in ms if m is not None]
         if not pts:
             continue
-        x = [k for k, _ in pts]
-        mean = [m["mean"] for _, m in pts]
-        err = [[m["mean"] - m["lo"] for _, m in pts], [m["hi"] - m["mean"] for _, m in pts]]
-        ax.errorbar(x, mean, yerr=err, marker=marker, capsize=3, label=f"{fam}@k")
+        label = f"{fam}@k ({judge.label})" if fam == "self_prm" and judge else f"{fam}@k"
+        _errorbar(ax, pts, marker=marker, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks, [str(k) for k in ks])
     ax.set_xlabel("k (samples)")
     ax.set_ylabel("held-out score (95% bootstrap CI)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(f"v{record['version']}: metrics against k (n={record['num_samples']})")
+    ax.legend(fontsize=8)
+    title = f"v{record['version']}: metrics against k (n={record['num_samples']})"
+    if judge and f"self_prm@{ks[0]}" in record["metrics"]:
+        title += "\n" + textwrap.fill(f"self_prm@k: {judge.text}", 70)
+    ax.set_title(title, fontsize=9 if "\n" in title else None)
     return _png(fig)
 
 
@@ -216,38 +322,62 @@ def plot_judge_buckets(record: dict[str, Any]) -> bytes:
     return _png(fig)
 
 
-def plot_judge_vs_pass(evals: list[dict[str, Any]]) -> bytes:
-    """Judge accuracy (self and ORM) and pass@1 per version, and judge accuracy against
-    pass@1 (each point a version): how judging co-evolves with solving."""
+def plot_judge_vs_pass(evals: list[dict[str, Any]], judge: JudgeProvenance | None = None) -> bytes:
+    """The co-evolution of judging and solving, from `coevolution_series`: per version,
+    pass@1 with the judge's accuracy and AUCs (pooled and within a problem); per version,
+    self_prm@k - maj@k at the largest k (paired 95% interval: above 0, reranking by the
+    self-judge beats the vote); and judge accuracy and within-problem AUC against pass@1
+    (each point a version). `judge` (the run's `judge_provenance`) titles the figure."""
     plt = _matplotlib()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in ("pass@1", "judge_accuracy", "judge_auc", "judge_auc_within", "orm_accuracy"):
-        pts = [(e["version"], e["metrics"][name]) for e in evals if name in e["metrics"]]
-        if not pts:
-            continue
-        x = [v for v, _ in pts]
-        mean = [m["mean"] for _, m in pts]
-        err = [[m["mean"] - m["lo"] for _, m in pts], [m["hi"] - m["mean"] for _, m in pts]]
-        ax1.errorbar(x, mean, yerr=err, marker="o", capsize=3, label=name)
+    series = coevolution_series(evals)
+    k = coevolution_k(evals)
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
+    for name, pts in series.items():
+        if not name.startswith("self_prm_vs_maj@"):
+            _errorbar(ax1, pts, marker="o", label=name)
+    ax1.axhline(0.5, color="grey", ls=":", lw=1)  # an AUC's chance level
     ax1.set_xlabel("weight version")
     ax1.xaxis.get_major_locator().set_params(integer=True)
     ax1.set_ylim(0, 1)
     ax1.grid(alpha=0.3)
-    ax1.legend()
-    ax1.set_title("judging and solving per version (95% CI)")
-    pts = [e for e in evals if "judge_accuracy" in e["metrics"] and "pass@1" in e["metrics"]]
-    if pts:
-        x = [e["metrics"]["pass@1"]["mean"] for e in pts]
-        y = [e["metrics"]["judge_accuracy"]["mean"] for e in pts]
-        ax2.plot(x, y, "-o")
-        for e, xi, yi in zip(pts, x, y, strict=True):
-            ax2.annotate(f"v{e['version']}", (xi, yi), textcoords="offset points", xytext=(4, 4))
-    ax2.set_xlabel("pass@1")
-    ax2.set_ylabel("judge_accuracy")
-    ax2.set_xlim(0, 1)
-    ax2.set_ylim(0, 1)
+    ax1.legend(fontsize=8)
+    ax1.set_title("judging and solving per version (95% CI; dotted: AUC chance)", fontsize=10)
+    diff = f"self_prm_vs_maj@{k}"
+    if diff in series:
+        _errorbar(ax2, series[diff], marker="^", color="C3", label=f"self_prm@{k} - maj@{k}")
+        ax2.legend(fontsize=8)
+    else:
+        ax2.text(
+            0.5, 0.5, "no self_prm_vs_maj@k in the records", ha="center", transform=ax2.transAxes
+        )
+    ax2.axhline(0, color="black", lw=1)  # above: Self-PRM reranking beats the vote
+    ax2.set_xlabel("weight version")
+    ax2.xaxis.get_major_locator().set_params(integer=True)
+    ax2.set_ylabel(f"self_prm@{k} - maj@{k} (paired, per problem)")
     ax2.grid(alpha=0.3)
-    ax2.set_title("self-judge accuracy against pass@1")
+    ax2.set_title(
+        f"Self-PRM@{k} - maj@{k} per version\n(paired 95% CI; above 0: reranking beats the vote)",
+        fontsize=10,
+    )
+    solve = {v: mean for v, mean, _, _ in series.get("pass@1", [])}
+    for name, marker in (("judge_accuracy", "o"), ("judge_auc_within", "s")):
+        pts = [(solve[v], mean, v) for v, mean, _, _ in series.get(name, []) if v in solve]
+        if not pts:
+            continue
+        ax3.plot([p[0] for p in pts], [p[1] for p in pts], "-" + marker, label=name)
+        for x, y, v in pts:
+            ax3.annotate(f"v{v}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax3.axhline(0.5, color="grey", ls=":", lw=1)
+    ax3.set_xlabel("pass@1")
+    ax3.set_ylabel("judge metric")
+    ax3.set_xlim(0, 1)
+    ax3.set_ylim(0, 1)
+    ax3.grid(alpha=0.3)
+    if ax3.lines:
+        ax3.legend(fontsize=8)
+    ax3.set_title("self-judge accuracy and within-problem AUC against pass@1", fontsize=10)
+    if judge:
+        fig.suptitle(f"Co-evolution of judging and solving; self-judge: {judge.text}", fontsize=11)
     return _png(fig)
 
 
@@ -302,6 +432,7 @@ def build_report(run: Run) -> str:
     evals = sorted(run.read_metrics("eval"), key=lambda r: r["version"])
     sft = run.read_metrics("sft")
     cfg = run.config
+    judge = judge_provenance(cfg)
     lines = [f"# RLAX run report: `{run.url}`", ""]
     lines += [
         f"- model preset `{cfg.model.preset}`, tasks {', '.join(cfg.task.families)}, "
@@ -321,6 +452,7 @@ def build_report(run: Run) -> str:
             f"{train[-1].get('dropped_total', 0)}"
         )
     lines += ["", "## Held-out evaluation per version", ""]
+    lines += _judge_lines(judge, evals)
     if evals:
         names = _order(n for e in evals for n in e["metrics"])
         lines.append("| version | " + " | ".join(names) + " |")
@@ -361,20 +493,20 @@ def build_report(run: Run) -> str:
             [e["version"] for e in evals] or [r["version"] for rs in streams.values() for r in rs]
         )
         rich = richest_record(streams, last_version)
-        lines += _k_section(rich)
-        pngs[f"{REPORT_PREFIX}/metrics_vs_k.png"] = plot_metrics_vs_k(rich)
+        lines += _k_section(rich, judge)
+        pngs[f"{REPORT_PREFIX}/metrics_vs_k.png"] = plot_metrics_vs_k(rich, judge)
         lines += ["", "![metrics against k](metrics_vs_k.png)", ""]
         if rich.get("judge"):
             lines += _bucket_section(rich)
             pngs[f"{REPORT_PREFIX}/judge_buckets.png"] = plot_judge_buckets(rich)
             lines += ["", "![judgment by difficulty](judge_buckets.png)", ""]
         if any("judge_accuracy" in e["metrics"] for e in evals):
-            lines += _coevolution_section(evals)
-            pngs[f"{REPORT_PREFIX}/judge_vs_pass.png"] = plot_judge_vs_pass(evals)
-            lines += ["", "![judge accuracy vs pass@1](judge_vs_pass.png)", ""]
+            lines += _coevolution_section(evals, judge)
+            pngs[f"{REPORT_PREFIX}/judge_vs_pass.png"] = plot_judge_vs_pass(evals, judge)
+            lines += ["", "![co-evolution of judging and solving](judge_vs_pass.png)", ""]
     lines += _tools_section(run, train, evals)
     lines += _orm_section(run)
-    lines += _glossary(evals, streams)
+    lines += _glossary(evals, streams, judge)
     md = "\n".join(lines)
     for key, data in pngs.items():
         _put(run, key, data)
@@ -383,14 +515,35 @@ def build_report(run: Run) -> str:
     return md
 
 
-def _k_section(rec: dict[str, Any]) -> list[str]:
+def _judge_lines(judge: JudgeProvenance, evals: list[dict[str, Any]]) -> list[str]:
+    """What self_prm@k measures in this run, beside the judge's within-problem AUC at the
+    last version (the ranking skill reranking needs; 0.5 is chance). None without
+    Self-PRM metrics."""
+    if not any(n.startswith("self_prm@") for e in evals for n in e["metrics"]):
+        return []
+    last = max(evals, key=lambda e: e["version"])
+    return [
+        f"Self-PRM's judge (self_prm@k): **{judge.label}**"
+        + (f": {judge.detail}" if judge.detail else "")
+        + f". The judge's within-problem AUC (judge_auc_within) at v{last['version']}: "
+        f"{_fmt(last['metrics'].get('judge_auc_within'))} (0.5 = chance).",
+        "",
+    ]
+
+
+# Families of the metrics-against-k table whose judge is the run's self-judge.
+SELF_JUDGED = ("self_prm", "self_prm_vs_maj")
+
+
+def _k_section(rec: dict[str, Any], judge: JudgeProvenance) -> list[str]:
     ks = _ks(rec)
     fams = [f for f in K_TABLE if f"{f}@{ks[0]}" in rec["metrics"]]
+    heads = [f"{f}@k ({judge.label})" if f in SELF_JUDGED else f"{f}@k" for f in fams]
     lines = [
         "",
         f"## Metrics against k (v{rec['version']}, n={rec['num_samples']} samples per problem)",
         "",
-        "| k | " + " | ".join(f"{f}@k" for f in fams) + " |",
+        "| k | " + " | ".join(heads) + " |",
         "|---|" + "---|" * len(fams),
     ]
     for k in ks:
@@ -430,11 +583,16 @@ def _bucket_section(rec: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _coevolution_section(evals: list[dict[str, Any]]) -> list[str]:
-    names = [n for n in COEVOLUTION if any(n in e["metrics"] for e in evals)]
+def _coevolution_section(evals: list[dict[str, Any]], judge: JudgeProvenance) -> list[str]:
+    names = coevolution_names(evals)
     lines = [
         "",
         "## Judging and solving per version (co-evolution)",
+        "",
+        f"Self-judge: {judge.text}. Whether judging rose with solving: the judge's accuracy "
+        "and AUCs (pooled, and within a problem: what reranking needs) next to pass@1, and "
+        "self_prm@k - maj@k at the largest k (paired per problem; above 0: the self-judge's "
+        "pick beats the vote).",
         "",
         "| version | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),
@@ -552,7 +710,11 @@ def _orm_section(run: Run) -> list[str]:
     ]
 
 
-def _glossary(evals: list[dict[str, Any]], streams: dict[str, list[dict[str, Any]]]) -> list[str]:
+def _glossary(
+    evals: list[dict[str, Any]],
+    streams: dict[str, list[dict[str, Any]]],
+    judge: JudgeProvenance,
+) -> list[str]:
     names = _order(
         [n for e in evals for n in e["metrics"]]
         + [n for rs in streams.values() for r in rs for n in r["metrics"]]
@@ -561,7 +723,8 @@ def _glossary(evals: list[dict[str, Any]], streams: dict[str, list[dict[str, Any
     lines = ["", "## Metrics", ""]
     for fam in fams:
         members = [n for n in names if _family(n) == fam]
-        lines.append(f"- {GLOSSARY.get(fam, fam)}. Reported: {', '.join(members)}.")
+        said = f" Self-judge of this run: {judge.text}." if fam in SELF_JUDGED else ""
+        lines.append(f"- {GLOSSARY.get(fam, fam)}.{said} Reported: {', '.join(members)}.")
     lines += [
         "",
         "Every interval is a 95% percentile bootstrap over problems; definitions in "
