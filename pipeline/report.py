@@ -48,6 +48,8 @@ def _put(run: Run, key: str, data: bytes) -> None:
 def _fmt(m: dict[str, float] | None) -> str:
     if m is None:
         return "–"
+    if m.get("lo") is None or m.get("hi") is None:  # a record without an interval
+        return f"{m['mean']:.3f}"
     return f"{m['mean']:.3f} [{m['lo']:.3f}, {m['hi']:.3f}]"
 
 
