@@ -115,13 +115,16 @@ class JudgeProvenance:
 # whatever SFT did; SFT verdicts only teach it; without either, self_prm@k reranks with a
 # judge nothing trained, and a reader must not take its numbers for the method's (issue
 # 41: the default demo showed Self-PRM 30 points under the vote at chance-level AUC). A
-# stage with 0 steps trains nothing, whatever its judge_fraction.
+# stage with 0 steps trains nothing, whatever its judge_fraction, and judge groups with
+# trainer.judge_loss_weight 0 are sampled but carry no gradient.
 JUDGE_PROVENANCES: tuple[JudgeProvenance, ...] = (
     JudgeProvenance(
         "rl_judge_groups",
         "trained judge (RL judge groups)",
         "",
-        lambda c: c.rollout.judge_fraction > 0 and c.trainer.steps > 0,
+        lambda c: (
+            c.rollout.judge_fraction > 0 and c.trainer.steps > 0 and c.trainer.judge_loss_weight > 0
+        ),
     ),
     JudgeProvenance(
         "sft_verdicts",
@@ -140,7 +143,8 @@ JUDGE_PROVENANCES: tuple[JudgeProvenance, ...] = (
 
 def judge_provenance(cfg: RunConfig) -> JudgeProvenance:
     """The entry of `JUDGE_PROVENANCES` that describes the run's self-judge (from its
-    config: `rollout.judge_fraction`, `sft.judge_fraction` and their stages' steps)."""
+    config: `rollout.judge_fraction`, `trainer.judge_loss_weight`, `sft.judge_fraction`
+    and their stages' steps)."""
     return next(p for p in JUDGE_PROVENANCES if p.applies(cfg))
 
 

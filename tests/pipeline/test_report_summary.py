@@ -99,6 +99,13 @@ def test_judge_provenance_of_each_judging_config():
         sft={"judge_fraction": 0.25, "steps": 0},
     )
     assert judge_provenance(no_sft).name == "untrained"
+    # Judge groups weighted 0 train nothing: the SFT verdicts are all the judge learned.
+    unweighted = _config(
+        rollout={"judge_fraction": 0.5},
+        trainer={"judge_loss_weight": 0.0},
+        sft={"judge_fraction": 0.25},
+    )
+    assert judge_provenance(unweighted).name == "sft_verdicts"
     rl_without_sft_verdicts = _config(rollout={"judge_fraction": 0.25})
     assert judge_provenance(rl_without_sft_verdicts).name == "rl_judge_groups"
 
