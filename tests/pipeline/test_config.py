@@ -156,6 +156,12 @@ BAD_VALUES = {
     "model.remat": "some",
     "model.attention": "flash",
     "model.attention_chunk": 0,
+    "model.num_experts": -1,
+    "model.num_experts_per_tok": 2,  # on a dense model (num_experts=0)
+    "model.moe_intermediate_size": -8,
+    "model.shared_expert_intermediate_size": -8,
+    "model.router_aux_loss_coef": -0.001,
+    "model.router_z_loss_coef": ".nan",
     "task.seed": -3,
     "task.num_train": 0,
     "task.num_eval": 0,
