@@ -37,7 +37,7 @@ from pipeline.environments.config import EnvironmentConfig
 from pipeline.errors import ConfigError
 from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
-from pipeline.lora import LoraConfig
+from pipeline.lora import TARGETS, LoraConfig
 from pipeline.mesh import MeshConfig, tensor_size
 from pipeline.paramserver.config import ParamServerConfig
 from pipeline.sandbox.config import SandboxConfig
@@ -727,6 +727,17 @@ class RunConfig:
         )
         if self.sampler.engine == "vllm":
             self._check_vllm()
+        if self.model.moe and self.lora.enabled:
+            experts = [t for t in self.lora.targets if TARGETS[t].startswith("mlp.")]
+            _check(
+                not experts,
+                "lora.targets",
+                list(self.lora.targets),
+                "attention projections only ("
+                + ", ".join(t for t in TARGETS if not TARGETS[t].startswith("mlp."))
+                + ") with model.num_experts > 0: "
+                "the experts and the router carry no adapters",
+            )  # fmt: skip
 
     def _check_vllm(self) -> None:
         """vLLM samples with its own kernels, so its log-probs differ from the trainer's

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from tpu_jobs.learning.packing import Packing
 from tpu_jobs.model.lm_head import token_logprobs
+from tpu_jobs.model.moe import RouterOutputs
 from tpu_jobs.model.transformer import Transformer, positions_from_mask, token_logprobs_of
 
 ValueParams = dict[str, jax.Array]
@@ -65,11 +66,14 @@ class PolicyOutputs(NamedTuple):
     logp: log pi(token_t | prefix) under softmax(logits / temperature).
     entropy: exact entropy of that distribution (None unless requested).
     values: V(prefix) from the value head (None without value params).
+    router: what the MoE routers of this pass decided (`tpu_jobs.model.moe.RouterOutputs`,
+    over the trunk's rows: the packed ones for `packed_policy_forward`); None when dense.
     """
 
     logp: jax.Array
     entropy: jax.Array | None
     values: jax.Array | None
+    router: RouterOutputs | None = None
 
 
 def _shift(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -94,14 +98,14 @@ def policy_forward(
     differentiable."""
     tokens = jnp.asarray(tokens)
     mask = jnp.asarray(mask).astype(jnp.int32)
-    hidden = hidden_states(model, tokens, mask)
+    hidden, router = model.hidden_and_router(tokens, positions_from_mask(mask), mask)
     logp, ent = token_logprobs_of(
         model, tokens, mask, temperature, first=first, entropy=entropy, hidden=hidden
     )
     values = None
     if value_params is not None:
         values = _shift(apply_value_head(value_params, hidden[:, :-1]), mask)[:, first:]
-    return PolicyOutputs(logp, ent, values)
+    return PolicyOutputs(logp, ent, values, router)
 
 
 def packed_policy_forward(
@@ -119,7 +123,7 @@ def packed_policy_forward(
     Each completion token's log-prob, entropy and value come from the packed hidden state
     just before it, which saw the same prefix at the same positions."""
     tokens, segments = jnp.asarray(packing.tokens), jnp.asarray(packing.segments)
-    hidden, _ = model.hidden(
+    hidden, router = model.hidden_and_router(
         tokens, jnp.asarray(packing.positions), (segments > 0).astype(jnp.int32),
         segments=segments,
     )  # fmt: skip
@@ -141,7 +145,7 @@ def packed_policy_forward(
         return None if x is None else jnp.where(keep, x, 0.0)
 
     values = None if value_params is None else apply_value_head(value_params, h)
-    return PolicyOutputs(masked(logp), masked(ent), masked(values))
+    return PolicyOutputs(masked(logp), masked(ent), masked(values), router)
 
 
 def count_params(tree: Any) -> int:

@@ -527,10 +527,8 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False, std=INIT_STD, rngs=rngs)
         self.experts = Experts(cfg, rngs=rngs)
-        self.shared_expert = None
-        if cfg.shared_expert_intermediate_size:
-            shared = replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
-            self.shared_expert = MLP(shared, rngs=rngs)
+        shared = replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
+        self.shared_expert = MLP(shared, rngs=rngs) if cfg.shared_expert_intermediate_size else None
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def __call__(
@@ -847,7 +845,11 @@ def param_count(cfg: ModelConfig) -> int:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if cfg.qkv_bias else 0)
     attn += 2 * cfg.head_dim if cfg.qk_norm else 0
-    layer = attn + 3 * h * i + 2 * h
+    mlp = 3 * h * i
+    if cfg.moe:  # the router, the experts and the shared expert replace the MLP
+        e, s = cfg.num_experts, cfg.shared_expert_intermediate_size
+        mlp = h * e + 3 * e * h * cfg.moe_intermediate_size + 3 * h * s
+    layer = attn + mlp + 2 * h
     return v * h + cfg.num_layers * layer + h + (0 if cfg.tie_embeddings else h * v)
 
 
