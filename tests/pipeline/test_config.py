@@ -8,6 +8,7 @@ import pytest
 from pipeline.algorithms import PARAM_TYPES
 from pipeline.config import (
     ConfigError,
+    ModelConfig,
     RunConfig,
     TrainerConfig,
     config_from_json,
@@ -573,6 +574,19 @@ def test_environment_section_names_the_known_environments_and_fits_the_model():
 # (NEW_SECTIONS, all defaults in the shipped configs) is left out of the stored bytes'
 # hash: it adds a key to config.json, and its defaults keep the digest unchanged.
 NEW_SECTIONS = ("lora",)
+# Fields added since to an existing section, likewise left out (their defaults keep the
+# digest unchanged, and a config.json without them loads to the same config).
+NEW_FIELDS = {
+    "model": (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "shared_expert_intermediate_size",
+        "router_aux_loss_coef",
+        "router_z_loss_coef",
+    ),
+}
 SHIPPED_DIGESTS = {
     "configs/algorithms/cispo.yaml": ("79dcd5288ef7fd18", "2557a42d8bac1f96"),
     "configs/algorithms/dapo.yaml": ("b549b53164c76c67", "7f48b349ccee7493"),
@@ -601,6 +615,8 @@ def test_shipped_configs_keep_their_digest_and_stored_config_json(path):
     tree = cfg.to_dict()
     stored = json.dumps(tree, indent=2, sort_keys=True).encode()  # as Run.create
     pinned = {k: v for k, v in tree.items() if k not in NEW_SECTIONS}
+    for section, names in NEW_FIELDS.items():
+        pinned[section] = {k: v for k, v in pinned[section].items() if k not in names}
     pinned_bytes = json.dumps(pinned, indent=2, sort_keys=True).encode()
     assert (cfg.digest(), hashlib.sha256(pinned_bytes).hexdigest()[:16]) == SHIPPED_DIGESTS[path]
     assert config_from_json(stored.decode()) == cfg
@@ -645,3 +661,26 @@ def test_each_section_lives_with_its_owner_and_none_reaches_back_to_the_run_conf
     for module in [*sections, "pipeline.config_io", "pipeline.tb_export"]:
         path = ROOT / (module.replace(".", "/") + ".py")
         assert not _project_imports(path) & {"pipeline.config", "pipeline.run"}, module
+
+
+def test_mixture_of_experts_fields():
+    """The MoE presets fill the expert fields; a dense model refuses them; top-k is at most
+    the experts; LoRA on a MoE model targets the attention projections only."""
+    moe, demo = ModelConfig(preset="demo_moe"), ModelConfig(preset="demo")
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (8, 2, 192)
+    assert moe.moe and not demo.moe and demo.num_experts == 0
+    # top-2 of the experts' sizes is the dense demo's MLP: the same active size.
+    assert moe.num_experts_per_tok * moe.moe_intermediate_size == demo.intermediate_size
+    assert load_config(ROOT / "configs/tiny.yaml", ["model.preset=demo_moe"]).model.moe
+    with pytest.raises(ConfigError, match=r"model.num_experts_per_tok=9 is invalid; allowed: 1..n"):
+        load_config(
+            ROOT / "configs/tiny.yaml", ["model.preset=demo_moe", "model.num_experts_per_tok=9"]
+        )
+    with pytest.raises(
+        ConfigError, match="model.moe_intermediate_size=8 is invalid; allowed: 0 on a"
+    ):
+        load_config(ROOT / "configs/tiny.yaml", ["model.moe_intermediate_size=8"])
+    with pytest.raises(
+        ConfigError, match=r"lora.targets=.*allowed: attention projections only \(q, k, v, o\)"
+    ):
+        load_config(ROOT / "configs/tiny.yaml", ["model.preset=tiny_moe", "lora.rank=4"])
