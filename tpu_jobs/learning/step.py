@@ -65,7 +65,12 @@ from tpu_jobs.learning.losses import (
     masked_min,
 )
 from tpu_jobs.learning.packing import Packing, pack
-from tpu_jobs.learning.value_head import init_value_head, packed_policy_forward, policy_forward
+from tpu_jobs.learning.value_head import (
+    init_value_head,
+    packed_policy_forward,
+    packed_policy_forward_and_router,
+    policy_forward_and_router,
+)
 from tpu_jobs.model import mesh as meshlib
 from tpu_jobs.model.batching import pack_rows, pad_values
 from tpu_jobs.model.judge import judged_completion_len
@@ -176,7 +181,7 @@ class ModelPrograms:
 
         def outputs(params, tokens, mask, packing=None, frozen=None, dropout_key=None):
             if packing is not None:
-                out = packed_policy_forward(
+                out, router = packed_policy_forward_and_router(
                     fns.merge(params["policy"], frozen, dropout_key),
                     packing,
                     mask[:, p:],
@@ -184,10 +189,10 @@ class ModelPrograms:
                     params.get("value"),
                     entropy=entropy,
                 )
-                router = router_part(out.router, jnp.asarray(packing.segments) > 0)
+                router = router_part(router, jnp.asarray(packing.segments) > 0)
                 return out.logp, out.entropy, out.values, router
             if values or entropy or model_cfg.moe:
-                out = policy_forward(
+                out, router = policy_forward_and_router(
                     fns.merge(params["policy"], frozen, dropout_key),
                     tokens,
                     mask,
@@ -196,7 +201,7 @@ class ModelPrograms:
                     entropy=entropy,
                     first=p,
                 )
-                return out.logp, out.entropy, out.values, router_part(out.router, mask)
+                return out.logp, out.entropy, out.values, router_part(router, mask)
             model = fns.merge(params["policy"], frozen, dropout_key)
             logp = sequence_logprobs(model, tokens, mask, temperature, first=p)
             return logp, None, None, None

@@ -66,14 +66,11 @@ class PolicyOutputs(NamedTuple):
     logp: log pi(token_t | prefix) under softmax(logits / temperature).
     entropy: exact entropy of that distribution (None unless requested).
     values: V(prefix) from the value head (None without value params).
-    router: what the MoE routers of this pass decided (`tpu_jobs.model.moe.RouterOutputs`,
-    over the trunk's rows: the packed ones for `packed_policy_forward`); None when dense.
     """
 
     logp: jax.Array
     entropy: jax.Array | None
     values: jax.Array | None
-    router: RouterOutputs | None = None
 
 
 def _shift(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -92,9 +89,26 @@ def policy_forward(
     entropy: bool = False,
     first: int = 0,
 ) -> PolicyOutputs:
+    """`policy_forward_and_router` without the routers' outputs."""
+    return policy_forward_and_router(
+        model, tokens, mask, temperature, value_params, entropy=entropy, first=first
+    )[0]
+
+
+def policy_forward_and_router(
+    model: Transformer,
+    tokens: jax.Array,
+    mask: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    value_params: ValueParams | None = None,
+    *,
+    entropy: bool = False,
+    first: int = 0,
+) -> tuple[PolicyOutputs, RouterOutputs | None]:
     """One trunk pass giving log-probs (as `sequence_logprobs`), optionally the entropy of
-    pi(. | prefix) and the values, each [B, T - first] (columns first..). The LM head runs
-    in chunks of `cfg.logits_chunk` tokens (`tpu_jobs.model.lm_head`). Jit-able and
+    pi(. | prefix) and the values, each [B, T - first] (columns first..), and what the MoE
+    routers decided (`Transformer.hidden_and_router`; None for a dense model). The LM head
+    runs in chunks of `cfg.logits_chunk` tokens (`tpu_jobs.model.lm_head`). Jit-able and
     differentiable."""
     tokens = jnp.asarray(tokens)
     mask = jnp.asarray(mask).astype(jnp.int32)
@@ -105,7 +119,7 @@ def policy_forward(
     values = None
     if value_params is not None:
         values = _shift(apply_value_head(value_params, hidden[:, :-1]), mask)[:, first:]
-    return PolicyOutputs(logp, ent, values, router)
+    return PolicyOutputs(logp, ent, values), router
 
 
 def packed_policy_forward(
@@ -117,11 +131,27 @@ def packed_policy_forward(
     *,
     entropy: bool = False,
 ) -> PolicyOutputs:
-    """`policy_forward(..., first=T - C)` of a batch [R, T] given packed
+    """`packed_policy_forward_and_router` without the routers' outputs."""
+    return packed_policy_forward_and_router(
+        model, packing, completion_mask, temperature, value_params, entropy=entropy
+    )[0]
+
+
+def packed_policy_forward_and_router(
+    model: Transformer,
+    packing: Packing,
+    completion_mask: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    value_params: ValueParams | None = None,
+    *,
+    entropy: bool = False,
+) -> tuple[PolicyOutputs, RouterOutputs | None]:
+    """`policy_forward_and_router(..., first=T - C)` of a batch [R, T] given packed
     (`tpu_jobs.learning.packing.pack`): the same per-token outputs [R, C] of the completion columns
     (0 where `completion_mask` [R, C] is 0), from one trunk pass over the packed rows.
     Each completion token's log-prob, entropy and value come from the packed hidden state
-    just before it, which saw the same prefix at the same positions."""
+    just before it, which saw the same prefix at the same positions. The routers' outputs
+    are over the packed rows."""
     tokens, segments = jnp.asarray(packing.tokens), jnp.asarray(packing.segments)
     hidden, router = model.hidden_and_router(
         tokens, jnp.asarray(packing.positions), (segments > 0).astype(jnp.int32),
@@ -145,7 +175,7 @@ def packed_policy_forward(
         return None if x is None else jnp.where(keep, x, 0.0)
 
     values = None if value_params is None else apply_value_head(value_params, h)
-    return PolicyOutputs(masked(logp), masked(ent), masked(values), router)
+    return PolicyOutputs(masked(logp), masked(ent), masked(values)), router
 
 
 def count_params(tree: Any) -> int:
