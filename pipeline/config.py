@@ -55,7 +55,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "100m": dict(
         hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048
     ),
-    # Mixture-of-experts presets (docs/model.md, "Mixture of experts"): the dense preset of
+    # Mixture-of-experts presets (docs/scaling.md, "Mixture-of-experts models"): the dense preset of
     # the same name with its MLP replaced by experts; top-2 of the experts' intermediate
     # sizes add up to the dense preset's intermediate_size, so the active MLP is as large.
     "tiny_moe": dict(
@@ -143,7 +143,7 @@ class ModelConfig:
     # scratch on real data) or "hf" (the tokenizer.json imported with the run's base,
     # `rlax import-hf`; chat template applied to prompts when it has one). `pipeline.tokenizer.run.run_tokenizer(run)` returns it.
     tokenizer: str = "char"
-    # Mixture of experts (tpu_jobs.model.transformer.MoE; docs/model.md): num_experts > 0
+    # Mixture of experts (tpu_jobs.model.transformer.MoE; docs/scaling.md): num_experts > 0
     # replaces every layer's MLP by that many SwiGLU experts of moe_intermediate_size, of
     # which a softmax router picks num_experts_per_tok per token (Qwen3-MoE's names).
     # norm_topk_prob: the picked experts' weights are renormalised to sum to 1 (Qwen3-MoE's
@@ -155,8 +155,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
-    # The router's training losses, added to every training objective (trainer, SFT) of a
-    # MoE model: router_aux_loss_coef * the load-balancing loss (Switch Transformer, as
+    # The router's training losses, added to the trainer's objective for a MoE model (not
+    # yet to SFT's): router_aux_loss_coef * the load-balancing loss (Switch Transformer, as
     # transformers' load_balancing_loss_func: num_experts * sum_e f_e * P_e; Qwen3-MoE
     # trains with 0.001) and router_z_loss_coef * the router z-loss (ST-MoE:
     # mean(logsumexp(router logits)^2)); tpu_jobs.model.moe.

@@ -1,4 +1,4 @@
-"""Decoder-only transformer of the Llama/Qwen2/Qwen3 family in Flax NNX.
+"""Decoder-only transformer of the Llama/Qwen2/Qwen3(-MoE) family in Flax NNX.
 
 Architecture (Hugging Face `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM`):
 token embedding, `num_layers` pre-norm blocks (RMSNorm -> grouped-query attention with
@@ -20,6 +20,10 @@ parameter server) are the NNX attribute paths joined with dots:
     layers.{i}.post_attention_layernorm.weight[hidden]
     layers.{i}.mlp.{gate,up}_proj.kernel      [hidden, inter]
     layers.{i}.mlp.down_proj.kernel           [inter, hidden]
+    layers.{i}.mlp.gate.kernel                [hidden, experts]    MoE (cfg.num_experts > 0) instead
+    layers.{i}.mlp.experts.{gate,up}_proj.kernel [experts, hidden, moe_inter]  of the MLP: router,
+    layers.{i}.mlp.experts.down_proj.kernel   [experts, moe_inter, hidden]     stacked experts,
+    layers.{i}.mlp.shared_expert.*            as mlp.*             when shared_expert_intermediate_size
     norm.weight                               [hidden]             HF model.norm.weight
     lm_head.kernel                            [hidden, vocab]      HF lm_head.weight, transposed;
                                                                    absent when tie_embeddings
