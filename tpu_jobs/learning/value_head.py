@@ -15,6 +15,8 @@ model's logits exactly.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -79,22 +81,6 @@ def _shift(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask > 0, out, 0.0)
 
 
-def policy_forward(
-    model: Transformer,
-    tokens: jax.Array,
-    mask: jax.Array,
-    temperature: float | jax.Array = 1.0,
-    value_params: ValueParams | None = None,
-    *,
-    entropy: bool = False,
-    first: int = 0,
-) -> PolicyOutputs:
-    """`policy_forward_and_router` without the routers' outputs."""
-    return policy_forward_and_router(
-        model, tokens, mask, temperature, value_params, entropy=entropy, first=first
-    )[0]
-
-
 def policy_forward_and_router(
     model: Transformer,
     tokens: jax.Array,
@@ -120,21 +106,6 @@ def policy_forward_and_router(
     if value_params is not None:
         values = _shift(apply_value_head(value_params, hidden[:, :-1]), mask)[:, first:]
     return PolicyOutputs(logp, ent, values), router
-
-
-def packed_policy_forward(
-    model: Transformer,
-    packing: Packing,
-    completion_mask: jax.Array,
-    temperature: float | jax.Array = 1.0,
-    value_params: ValueParams | None = None,
-    *,
-    entropy: bool = False,
-) -> PolicyOutputs:
-    """`packed_policy_forward_and_router` without the routers' outputs."""
-    return packed_policy_forward_and_router(
-        model, packing, completion_mask, temperature, value_params, entropy=entropy
-    )[0]
 
 
 def packed_policy_forward_and_router(
@@ -176,6 +147,23 @@ def packed_policy_forward_and_router(
 
     values = None if value_params is None else apply_value_head(value_params, h)
     return PolicyOutputs(masked(logp), masked(ent), masked(values)), router
+
+
+def _outputs_only(
+    forward: Callable[..., tuple[PolicyOutputs, Any]],
+) -> Callable[..., PolicyOutputs]:
+    """`forward` (same arguments) returning its PolicyOutputs without the routers'."""
+
+    @functools.wraps(forward)
+    def outputs_only(*args: Any, **kwargs: Any) -> PolicyOutputs:
+        return forward(*args, **kwargs)[0]
+
+    return outputs_only
+
+
+# The forwards for callers that need no routers' outputs (every dense model's).
+policy_forward = _outputs_only(policy_forward_and_router)
+packed_policy_forward = _outputs_only(packed_policy_forward_and_router)
 
 
 def count_params(tree: Any) -> int:

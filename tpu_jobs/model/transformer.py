@@ -661,7 +661,7 @@ class Transformer(nnx.Module):
         `segments` [B, T] int (no cache; `tpu_jobs.learning.packing`): several sequences per row,
         query i sees key j iff j <= i and both are in the same segment (> 0)."""
         x, new_cache, _ = self._layers(
-            tokens, positions, mask, cache, cache_index, dtype=dtype, segments=segments
+            tokens, positions, mask, cache, cache_index, dtype, segments, None
         )
         return x, new_cache
 
@@ -684,24 +684,12 @@ class Transformer(nnx.Module):
         (routing replay); a forward's own `RouterOutputs.experts` reproduces it exactly."""
         if routing is not None and not self.cfg.moe:
             raise ValueError("routing= is for mixture-of-experts models (model.num_experts > 0)")
-        x, _, router = self._layers(
-            tokens, positions, mask, dtype=dtype, segments=segments, routing=routing
-        )
+        x, _, router = self._layers(tokens, positions, mask, None, None, dtype, segments, routing)
         return x, router
 
-    def _layers(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        mask: jax.Array,
-        cache: KVCache | None = None,
-        cache_index: jax.Array | int | None = None,
-        *,
-        dtype: str | None = None,
-        segments: jax.Array | None = None,
-        routing: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache | None, RouterOutputs | None]:
-        """`hidden` and the stacked router outputs (`hidden_and_router`)."""
+    def _layers(self, tokens, positions, mask, cache, cache_index, dtype, segments, routing):
+        """(`hidden`'s two results, the routers' outputs stacked over layers or None):
+        `hidden`'s arguments and `hidden_and_router`'s `routing`."""
         cdt = _dtype(dtype or self.cfg.dtype)
         b, t = tokens.shape
         mask = mask.astype(jnp.int32)
