@@ -17,6 +17,7 @@ is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ from pipeline.environments.config import EnvironmentConfig
 from pipeline.errors import ConfigError
 from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
-from pipeline.lora import LoraConfig
+from pipeline.lora import TARGETS, LoraConfig
 from pipeline.mesh import MeshConfig, tensor_size
 from pipeline.paramserver.config import ParamServerConfig
 from pipeline.sandbox.config import SandboxConfig
@@ -54,7 +55,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "100m": dict(
         hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048
     ),
-}
+    # Mixture-of-experts presets (docs/scaling.md, "Mixture-of-experts models"): the dense preset of
+    # the same name with its MLP replaced by experts; top-2 of the experts' intermediate
+    # sizes add up to the dense preset's intermediate_size, so the active MLP is as large.
+    "tiny_moe": dict(
+        hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    ),
+    "demo_moe": dict(
+        hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=384,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=192,
+    ),
+}  # fmt: skip
 
 
 # Ceilings on sizes (docs/security.md, "Inputs"). The model's are a little above the
@@ -72,6 +84,12 @@ MODEL_CEILINGS: dict[str, int] = {
     "head_dim": 1024,
     "intermediate_size": 131072,
     "max_seq_len": 1 << 20,
+}
+# The mixture-of-experts sizes (0 = a dense model); DeepSeek-V3 has 256 routed experts.
+MOE_CEILINGS: dict[str, int] = {
+    "num_experts": 4096,
+    "moe_intermediate_size": 131072,
+    "shared_expert_intermediate_size": 131072,
 }
 MAX_WORKERS = 1024  # workers
 
@@ -125,6 +143,30 @@ class ModelConfig:
     # scratch on real data) or "hf" (the tokenizer.json imported with the run's base,
     # `rlax import-hf`; chat template applied to prompts when it has one). `pipeline.tokenizer.run.run_tokenizer(run)` returns it.
     tokenizer: str = "char"
+    # Mixture of experts (tpu_jobs.model.transformer.MoE; docs/scaling.md): num_experts > 0
+    # replaces every layer's MLP by that many SwiGLU experts of moe_intermediate_size, of
+    # which a softmax router picks num_experts_per_tok per token (Qwen3-MoE's names).
+    # norm_topk_prob: the picked experts' weights are renormalised to sum to 1 (Qwen3-MoE's
+    # norm_topk_prob; else they are the router's probabilities). A shared expert (an MLP of
+    # shared_expert_intermediate_size that every token goes through, ungated, as
+    # DeepSeek's) is added when that is > 0. 0 everywhere: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    # The router's training losses, added to the trainer's objective for a MoE model (not
+    # yet to SFT's): router_aux_loss_coef * the load-balancing loss (Switch Transformer, as
+    # transformers' load_balancing_loss_func: num_experts * sum_e f_e * P_e; Qwen3-MoE
+    # trains with 0.001) and router_z_loss_coef * the router z-loss (ST-MoE:
+    # mean(logsumexp(router logits)^2)); tpu_jobs.model.moe.
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+
+    @property
+    def moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.num_experts > 0
 
     def __post_init__(self) -> None:
         _one_of("model.preset", self.preset, MODEL_PRESETS)
@@ -177,6 +219,35 @@ class ModelConfig:
             "model.logits_chunk",
             self.logits_chunk,
             ">= 0 tokens (0: dense, all at once)",
+        )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name, ceiling in MOE_CEILINGS.items():
+            value = getattr(self, name)
+            _check(0 <= value <= ceiling, f"model.{name}", value, f"0..{ceiling} (0: none)")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            _check(0 <= value < math.inf, f"model.{name}", value, "a finite number >= 0 (0: off)")
+        _check(isinstance(self.norm_topk_prob, bool), "model.norm_topk_prob", self.norm_topk_prob,
+               "true or false")  # fmt: skip
+        if not self.moe:
+            for name in ("num_experts_per_tok", "moe_intermediate_size",
+                         "shared_expert_intermediate_size"):  # fmt: skip
+                _check(getattr(self, name) == 0, f"model.{name}", getattr(self, name),
+                       "0 on a dense model (set model.num_experts > 0 for experts)")  # fmt: skip
+            return
+        _check(
+            1 <= self.num_experts_per_tok <= self.num_experts,
+            "model.num_experts_per_tok",
+            self.num_experts_per_tok,
+            f"1..num_experts={self.num_experts}",
+        )
+        _check(
+            self.moe_intermediate_size > 0,
+            "model.moe_intermediate_size",
+            self.moe_intermediate_size,
+            "> 0 with num_experts > 0",
         )
 
 
@@ -669,6 +740,17 @@ class RunConfig:
         )
         if self.sampler.engine == "vllm":
             self._check_vllm()
+        if self.model.moe and self.lora.enabled:
+            experts = [t for t in self.lora.targets if TARGETS[t].startswith("mlp.")]
+            _check(
+                not experts,
+                "lora.targets",
+                list(self.lora.targets),
+                "attention projections only ("
+                + ", ".join(t for t in TARGETS if not TARGETS[t].startswith("mlp."))
+                + ") with model.num_experts > 0: "
+                "the experts and the router carry no adapters",
+            )  # fmt: skip
 
     def _check_vllm(self) -> None:
         """vLLM samples with its own kernels, so its log-probs differ from the trainer's

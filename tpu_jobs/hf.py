@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: Llama, Qwen2 and Qwen3 causal LMs.
+"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3 and Qwen3-MoE causal LMs.
 
 A checkpoint directory holds `config.json`, the weights (`model.safetensors`, or shards
 listed by `model.safetensors.index.json`) and usually `tokenizer.json` +

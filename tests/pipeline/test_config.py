@@ -8,6 +8,7 @@ import pytest
 from pipeline.algorithms import PARAM_TYPES
 from pipeline.config import (
     ConfigError,
+    ModelConfig,
     RunConfig,
     TrainerConfig,
     config_from_json,
@@ -156,6 +157,12 @@ BAD_VALUES = {
     "model.remat": "some",
     "model.attention": "flash",
     "model.attention_chunk": 0,
+    "model.num_experts": -1,
+    "model.num_experts_per_tok": 2,  # on a dense model (num_experts=0)
+    "model.moe_intermediate_size": -8,
+    "model.shared_expert_intermediate_size": -8,
+    "model.router_aux_loss_coef": -0.001,
+    "model.router_z_loss_coef": ".nan",
     "task.seed": -3,
     "task.num_train": 0,
     "task.num_eval": 0,
@@ -567,8 +574,23 @@ def test_environment_section_names_the_known_environments_and_fits_the_model():
 # neither, or runs created before the move would no longer resume. A section added since
 # or a field added to a section since (NEW_KEYS: all defaults in the shipped configs) is
 # left out of the stored bytes' hash: it adds a key to config.json, and its defaults keep
-# the digest unchanged.
-NEW_KEYS = ("lora", "trainer.judge_loss_weight")
+# the digest unchanged (and a config.json without it loads to the same config).
+NEW_KEYS = (
+    "lora",
+    "trainer.judge_loss_weight",
+    *(
+        f"model.{name}"
+        for name in (
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "shared_expert_intermediate_size",
+            "router_aux_loss_coef",
+            "router_z_loss_coef",
+        )
+    ),
+)
 SHIPPED_DIGESTS = {
     "configs/algorithms/cispo.yaml": ("79dcd5288ef7fd18", "2557a42d8bac1f96"),
     "configs/algorithms/dapo.yaml": ("b549b53164c76c67", "7f48b349ccee7493"),
@@ -647,3 +669,26 @@ def test_each_section_lives_with_its_owner_and_none_reaches_back_to_the_run_conf
     for module in [*sections, "pipeline.config_io", "pipeline.tb_export"]:
         path = ROOT / (module.replace(".", "/") + ".py")
         assert not _project_imports(path) & {"pipeline.config", "pipeline.run"}, module
+
+
+def test_mixture_of_experts_fields():
+    """The MoE presets fill the expert fields; a dense model refuses them; top-k is at most
+    the experts; LoRA on a MoE model targets the attention projections only."""
+    moe, demo = ModelConfig(preset="demo_moe"), ModelConfig(preset="demo")
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (8, 2, 192)
+    assert moe.moe and not demo.moe and demo.num_experts == 0
+    # top-2 of the experts' sizes is the dense demo's MLP: the same active size.
+    assert moe.num_experts_per_tok * moe.moe_intermediate_size == demo.intermediate_size
+    assert load_config(ROOT / "configs/tiny.yaml", ["model.preset=demo_moe"]).model.moe
+    with pytest.raises(ConfigError, match=r"model.num_experts_per_tok=9 is invalid; allowed: 1..n"):
+        load_config(
+            ROOT / "configs/tiny.yaml", ["model.preset=demo_moe", "model.num_experts_per_tok=9"]
+        )
+    with pytest.raises(
+        ConfigError, match="model.moe_intermediate_size=8 is invalid; allowed: 0 on a"
+    ):
+        load_config(ROOT / "configs/tiny.yaml", ["model.moe_intermediate_size=8"])
+    with pytest.raises(
+        ConfigError, match=r"lora.targets=.*allowed: attention projections only \(q, k, v, o\)"
+    ):
+        load_config(ROOT / "configs/tiny.yaml", ["model.preset=tiny_moe", "lora.rank=4"])

@@ -63,8 +63,9 @@ MASK[1, :4] = 0  # left padding
 MASK[2, :7] = 0
 
 
-def build_hf(family: str, seed: int = 0, **config_overrides):
-    cfg_cls, model_cls, extra = FAMILIES[family]
+def build_hf(family: str | tuple[str, str, dict], seed: int = 0, **config_overrides):
+    """A tiny random HF model of `family` (a key of FAMILIES, or such a triple)."""
+    cfg_cls, model_cls, extra = FAMILIES[family] if isinstance(family, str) else family
     extra = dict(extra)
     theta = extra.pop("rope_theta", None)
     if theta is not None:
@@ -75,7 +76,7 @@ def build_hf(family: str, seed: int = 0, **config_overrides):
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():  # non-trivial norm weights and biases (zeros / ones at init)
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith("bias") or name.endswith("gate.weight"):
                 p.add_(0.2 * torch.randn_like(p))
     return model
 

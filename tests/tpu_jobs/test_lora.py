@@ -228,7 +228,7 @@ def test_kl_reference_is_the_base_with_adapters_off(lora_run, trainer, real_batc
     tol = 64 * EPS32 * max(1.0, np.abs(want).max())
     assert np.abs(ref - want).max() <= tol
     params, _ = learner.init_state(learner.new_policy(lora_run.config.seed))
-    logp, _, _ = learner.programs.forward(params, tokens, mask, None, frozen)
+    logp = learner.programs.forward(params, tokens, mask, None, frozen)[0]
     assert np.abs(np.asarray(logp) - want).max() <= tol
     # The reference of a step is the frozen base itself: a KL preset's first step (policy
     # = base) measures no divergence.

@@ -73,6 +73,12 @@ def _feature_major_prepare(model: Transformer) -> dict[str, Any]:
     call having a fixed cost (row blocks of a feature-major output are contiguous:
     splitting them is free); the LM head as [vocab, hidden]."""
 
+    if model.cfg.moe:
+        raise ValueError(
+            "decode_layout='feature_major' has no mixture-of-experts MLP; allowed for "
+            "model.num_experts > 0: 'token_major' (the model's own forward)"
+        )
+
     def t(linear):
         return linear.kernel[...].T
 
@@ -148,9 +154,10 @@ DECODE_LAYOUTS: dict[str, DecodeLayout] = {
 FEATURE_MAJOR_MIN_HIDDEN = 256
 
 
-def default_layout(platform: str, hidden_size: int) -> str:
-    """feature_major on CPU for models of hidden size >= FEATURE_MAJOR_MIN_HIDDEN (measured
-    faster there), token_major otherwise and on GPU/TPU."""
-    if platform == "cpu" and hidden_size >= FEATURE_MAJOR_MIN_HIDDEN:
+def default_layout(platform: str, hidden_size: int, *, moe: bool = False) -> str:
+    """feature_major on CPU for dense models of hidden size >= FEATURE_MAJOR_MIN_HIDDEN
+    (measured faster there), token_major otherwise, on GPU/TPU and for mixtures of experts
+    (`moe`: feature_major has no expert dispatch)."""
+    if platform == "cpu" and hidden_size >= FEATURE_MAJOR_MIN_HIDDEN and not moe:
         return "feature_major"
     return "token_major"

@@ -194,7 +194,7 @@ class StaticSampler:
                 raise ValueError(f"{name}={buckets!r} is invalid; allowed: positive integers")
         if decode_layout is None:
             device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
-            decode_layout = default_layout(device.platform, cfg.hidden_size)
+            decode_layout = default_layout(device.platform, cfg.hidden_size, moe=cfg.moe)
         if decode_layout not in DECODE_LAYOUTS:
             raise ValueError(
                 f"decode_layout={decode_layout!r} is invalid; allowed: "

@@ -66,10 +66,16 @@ from tpu_jobs.learning.losses import (
     masked_min,
 )
 from tpu_jobs.learning.packing import Packing, pack
-from tpu_jobs.learning.value_head import init_value_head, packed_policy_forward, policy_forward
+from tpu_jobs.learning.value_head import (
+    init_value_head,
+    packed_policy_forward,
+    packed_policy_forward_and_router,
+    policy_forward_and_router,
+)
 from tpu_jobs.model import mesh as meshlib
 from tpu_jobs.model.batching import pack_rows, pad_values
 from tpu_jobs.model.judge import judged_completion_len
+from tpu_jobs.model.moe import router_loss
 from tpu_jobs.model.state import (
     flat_to_state,
     make_optimizer,
@@ -142,7 +148,11 @@ class ModelPrograms:
     """Jitted model programs for one (model, prompt length, temperature, outputs) key.
 
     Train params are `{"policy": <model params>[, "value": <value head>]}`; outputs are
-    `(logp, entropy | None, values | None)` of the completion tokens, [R, C] each.
+    `(logp, entropy | None, values | None)` of the completion tokens, [R, C] each, and the
+    router's part of the objective, `(loss, metrics)` of `tpu_jobs.model.moe.router_loss`
+    (the load-balancing and z-losses with their coefficients, times `router_weight`: a
+    micro-batch's share of its mini-batch, so the summed gradients are the mini-batch's),
+    or None for a dense model.
     """
 
     def __init__(
@@ -153,6 +163,7 @@ class ModelPrograms:
         values: bool,
         entropy: bool,
         lora: LoraConfig | None = None,
+        router_weight: float = 1.0,
     ) -> None:
         # The reference (KL terms) is the model without adapters: with LoRA, the frozen base
         # itself (no second copy), merged into the graph of the plain model.
@@ -166,9 +177,20 @@ class ModelPrograms:
         # model_cfg.logits_chunk tokens, never runs on the prompt positions. `packing`
         # (`tpu_jobs.learning.packing`, trainer.pack): the same outputs from packed rows.
         # `frozen`: the frozen base of a LoRA run (params["policy"] are its adapters).
+        def router_part(router, router_mask):
+            if router is None:
+                return None
+            loss, metrics = router_loss(
+                router,
+                router_mask,
+                model_cfg.router_aux_loss_coef,
+                model_cfg.router_z_loss_coef,
+            )
+            return router_weight * loss, metrics
+
         def outputs(params, tokens, mask, packing=None, frozen=None, dropout_key=None):
             if packing is not None:
-                out = packed_policy_forward(
+                out, router = packed_policy_forward_and_router(
                     fns.merge(params["policy"], frozen, dropout_key),
                     packing,
                     mask[:, p:],
@@ -176,21 +198,22 @@ class ModelPrograms:
                     params.get("value"),
                     entropy=entropy,
                 )
-                return out.logp, out.entropy, out.values
-            if values or entropy:
-                return tuple(
-                    policy_forward(
-                        fns.merge(params["policy"], frozen, dropout_key),
-                        tokens,
-                        mask,
-                        temperature,
-                        params.get("value"),
-                        entropy=entropy,
-                        first=p,
-                    )
+                router = router_part(router, jnp.asarray(packing.segments) > 0)
+                return out.logp, out.entropy, out.values, router
+            if values or entropy or model_cfg.moe:
+                out, router = policy_forward_and_router(
+                    fns.merge(params["policy"], frozen, dropout_key),
+                    tokens,
+                    mask,
+                    temperature,
+                    params.get("value"),
+                    entropy=entropy,
+                    first=p,
                 )
+                return out.logp, out.entropy, out.values, router_part(router, mask)
             model = fns.merge(params["policy"], frozen, dropout_key)
-            return sequence_logprobs(model, tokens, mask, temperature, first=p), None, None
+            logp = sequence_logprobs(model, tokens, mask, temperature, first=p)
+            return logp, None, None, None
 
         def forward_vjp(params, tokens, mask, packing=None, frozen=None, dropout_key=None):
             # Differentiated w.r.t. params only: the frozen base gets no gradient buffers.
@@ -222,15 +245,16 @@ def model_programs(
     values: bool,
     entropy: bool,
     lora: LoraConfig | None = None,
+    router_weight: float = 1.0,
 ) -> ModelPrograms:
-    return ModelPrograms(model_cfg, prompt_len, temperature, values, entropy, lora)
+    return ModelPrograms(model_cfg, prompt_len, temperature, values, entropy, lora, router_weight)
 
 
 def _head_loss(spec: LossSpec, group_size: int, recompute: bool):
     """loss(outs, inp, pre, logp_ref, norm) -> (loss, metrics) for one objective."""
 
     def loss(outs, inp: StepInputs, pre: Prepared | None, logp_ref, norm):
-        logp, entropy, values = outs
+        logp, entropy, values, router = outs
         cm = inp.comp_mask
         if pre is None:  # single update: pi_old is the params of this very forward
             logp_trainer = sg(logp)
@@ -256,6 +280,10 @@ def _head_loss(spec: LossSpec, group_size: int, recompute: bool):
             **extra,
         )
         metrics = dict(metrics)
+        if router is not None:  # a MoE model: the router's losses join the objective
+            router_value, router_metrics = router
+            value = value + router_value
+            metrics.update(router_metrics)
         if pre is None:
             metrics.update(alignment_metrics(logp_trainer, inp.logp_behaviour, cm, spec.is_cap))
         return value, metrics
@@ -277,7 +305,7 @@ def head_programs(spec: LossSpec, group_size: int, recompute: bool):
 
     def prepare(outs, inp: StepInputs, logp_ref):
         """pi_old, reference, critic values and advantages of the whole batch, once."""
-        logp, _, values = outs
+        logp, _, values, _ = outs
         logp_old = logp if recompute else inp.logp_behaviour
         res = compute_advantages(
             spec,
@@ -461,6 +489,7 @@ class Learner:
             self.uses_values,
             self.needs_entropy,
             self.lora,
+            self.micro_rows / self.mini_rows,
         )
         self.fns = self.programs.fns
         self._grad_head, self._prepare = head_programs(self.spec, self.group_size, self.recompute)

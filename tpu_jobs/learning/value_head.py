@@ -15,6 +15,8 @@ model's logits exactly.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 
 from tpu_jobs.learning.packing import Packing
 from tpu_jobs.model.lm_head import token_logprobs
+from tpu_jobs.model.moe import RouterOutputs
 from tpu_jobs.model.transformer import Transformer, positions_from_mask, token_logprobs_of
 
 ValueParams = dict[str, jax.Array]
@@ -78,7 +81,7 @@ def _shift(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask > 0, out, 0.0)
 
 
-def policy_forward(
+def policy_forward_and_router(
     model: Transformer,
     tokens: jax.Array,
     mask: jax.Array,
@@ -87,24 +90,25 @@ def policy_forward(
     *,
     entropy: bool = False,
     first: int = 0,
-) -> PolicyOutputs:
+) -> tuple[PolicyOutputs, RouterOutputs | None]:
     """One trunk pass giving log-probs (as `sequence_logprobs`), optionally the entropy of
-    pi(. | prefix) and the values, each [B, T - first] (columns first..). The LM head runs
-    in chunks of `cfg.logits_chunk` tokens (`tpu_jobs.model.lm_head`). Jit-able and
+    pi(. | prefix) and the values, each [B, T - first] (columns first..), and what the MoE
+    routers decided (`Transformer.hidden_and_router`; None for a dense model). The LM head
+    runs in chunks of `cfg.logits_chunk` tokens (`tpu_jobs.model.lm_head`). Jit-able and
     differentiable."""
     tokens = jnp.asarray(tokens)
     mask = jnp.asarray(mask).astype(jnp.int32)
-    hidden = hidden_states(model, tokens, mask)
+    hidden, router = model.hidden_and_router(tokens, positions_from_mask(mask), mask)
     logp, ent = token_logprobs_of(
         model, tokens, mask, temperature, first=first, entropy=entropy, hidden=hidden
     )
     values = None
     if value_params is not None:
         values = _shift(apply_value_head(value_params, hidden[:, :-1]), mask)[:, first:]
-    return PolicyOutputs(logp, ent, values)
+    return PolicyOutputs(logp, ent, values), router
 
 
-def packed_policy_forward(
+def packed_policy_forward_and_router(
     model: Transformer,
     packing: Packing,
     completion_mask: jax.Array,
@@ -112,14 +116,15 @@ def packed_policy_forward(
     value_params: ValueParams | None = None,
     *,
     entropy: bool = False,
-) -> PolicyOutputs:
-    """`policy_forward(..., first=T - C)` of a batch [R, T] given packed
+) -> tuple[PolicyOutputs, RouterOutputs | None]:
+    """`policy_forward_and_router(..., first=T - C)` of a batch [R, T] given packed
     (`tpu_jobs.learning.packing.pack`): the same per-token outputs [R, C] of the completion columns
     (0 where `completion_mask` [R, C] is 0), from one trunk pass over the packed rows.
     Each completion token's log-prob, entropy and value come from the packed hidden state
-    just before it, which saw the same prefix at the same positions."""
+    just before it, which saw the same prefix at the same positions. The routers' outputs
+    are over the packed rows."""
     tokens, segments = jnp.asarray(packing.tokens), jnp.asarray(packing.segments)
-    hidden, _ = model.hidden(
+    hidden, router = model.hidden_and_router(
         tokens, jnp.asarray(packing.positions), (segments > 0).astype(jnp.int32),
         segments=segments,
     )  # fmt: skip
@@ -141,7 +146,24 @@ def packed_policy_forward(
         return None if x is None else jnp.where(keep, x, 0.0)
 
     values = None if value_params is None else apply_value_head(value_params, h)
-    return PolicyOutputs(masked(logp), masked(ent), masked(values))
+    return PolicyOutputs(masked(logp), masked(ent), masked(values)), router
+
+
+def _outputs_only(
+    forward: Callable[..., tuple[PolicyOutputs, Any]],
+) -> Callable[..., PolicyOutputs]:
+    """`forward` (same arguments) returning its PolicyOutputs without the routers'."""
+
+    @functools.wraps(forward)
+    def outputs_only(*args: Any, **kwargs: Any) -> PolicyOutputs:
+        return forward(*args, **kwargs)[0]
+
+    return outputs_only
+
+
+# The forwards for callers that need no routers' outputs (every dense model's).
+policy_forward = _outputs_only(policy_forward_and_router)
+packed_policy_forward = _outputs_only(packed_policy_forward_and_router)
 
 
 def count_params(tree: Any) -> int:

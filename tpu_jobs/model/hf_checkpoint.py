@@ -1,11 +1,14 @@
-"""Hugging Face checkpoints as a library: Llama, Qwen2 and Qwen3 causal LMs.
+"""Hugging Face checkpoints as a library: Llama, Qwen2, Qwen3 and Qwen3-MoE causal LMs.
 
 A checkpoint directory holds `config.json`, the weights (`model.safetensors`, or shards
 listed by `model.safetensors.index.json`) and usually `tokenizer.json` +
 `tokenizer_config.json` (with a chat template for chat models). The architecture families,
 config conversion both ways, safetensors reading and writing, and the mapping between HF
 tensor names and `tpu_jobs.model.transformer.Transformer`'s flat parameter names (HF names
-minus `model.`, `weight` -> `kernel` with a transpose for linear layers): what the import /
+minus `model.`, `weight` -> `kernel` with a transpose for linear layers; a MoE layer's
+experts are stacked: HF's `mlp.experts.{e}.gate_proj.weight` [out, in] per expert, or
+transformers 5's fused `mlp.experts.gate_up_proj` [E, 2 * inter, hidden], are
+`mlp.experts.gate_proj.kernel` [E, in, out] here): what the import /
 export job (`tpu_jobs.hf`) and the vLLM sampler (`tpu_jobs.generate.vllm_sampler`, which
 serves each version from an exported directory) share. `export_hf` writes a directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
@@ -52,12 +55,16 @@ class Family:
     qk_norm: bool
     attention_bias_on_o: bool
     has_head_dim: bool  # config.json carries head_dim
+    moe: bool = False  # every layer's MLP is a mixture of experts (num_experts, ...)
 
 
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("LlamaForCausalLM", "llama", None, False, True, True),
     "Qwen2ForCausalLM": Family("Qwen2ForCausalLM", "qwen2", True, False, False, False),
     "Qwen3ForCausalLM": Family("Qwen3ForCausalLM", "qwen3", None, True, True, True),
+    "Qwen3MoeForCausalLM": Family(
+        "Qwen3MoeForCausalLM", "qwen3_moe", None, True, True, True, moe=True
+    ),
 }
 SUPPORTED_ROPE_TYPES = ("default",)
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -75,7 +82,14 @@ ARCH_FIELDS = (
     "qkv_bias",
     "qk_norm",
     "tie_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "shared_expert_intermediate_size",
 )
+# The experts' projections, in HF's per-expert names and in transformers 5's fused layout.
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _supported() -> str:
@@ -143,12 +157,32 @@ def model_config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=int(hf.get("max_position_embeddings", 256)),
     )
+    if fam.moe:
+        kw.update(_moe_fields(hf))
     kw.update(overrides)
     return ModelConfig(**kw)
 
 
+def _moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The ModelConfig MoE fields of a Qwen3-MoE config.json; every layer must be sparse."""
+    if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+        raise HFError(
+            f"decoder_sparse_step={hf.get('decoder_sparse_step')!r}, mlp_only_layers="
+            f"{hf.get('mlp_only_layers')!r} are not supported; supported: every layer a "
+            "mixture of experts (decoder_sparse_step=1, mlp_only_layers=[])"
+        )
+    return dict(
+        num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    )
+
+
 def default_family(cfg: ModelConfig) -> Family:
     """The HF architecture that represents `cfg` exactly."""
+    if cfg.moe:
+        return FAMILIES["Qwen3MoeForCausalLM"]
     if cfg.qk_norm:
         return FAMILIES["Qwen3ForCausalLM"]
     if cfg.qkv_bias:
@@ -164,6 +198,13 @@ def _check_family(cfg: ModelConfig, fam: Family) -> None:
         problems.append(f"qkv_bias={cfg.qkv_bias} but {fam.architecture} needs {fam.qkv_bias}")
     if not fam.has_head_dim and cfg.head_dim != cfg.hidden_size // cfg.num_heads:
         problems.append(f"{fam.architecture} needs head_dim == hidden_size // num_heads")
+    if fam.moe != cfg.moe:
+        problems.append(
+            f"num_experts={cfg.num_experts} but {fam.architecture} is "
+            + ("a mixture of experts" if fam.moe else "dense")
+        )
+    if cfg.shared_expert_intermediate_size:
+        problems.append(f"{fam.architecture} has no shared expert")
     if problems:
         raise HFError("cannot export as " + fam.architecture + ": " + "; ".join(problems))
 
@@ -211,8 +252,19 @@ def hf_config_from_model(
         out["attention_bias"] = cfg.qkv_bias
     if fam.model_type == "llama":
         out["mlp_bias"] = False
-    if fam.model_type in ("qwen2", "qwen3"):
+    if fam.model_type in ("qwen2", "qwen3", "qwen3_moe"):
         out["use_sliding_window"] = False
+    if fam.moe:
+        out.update(
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        out.pop("num_local_experts", None)  # an alias transformers writes; num_experts rules
+        out.setdefault("router_aux_loss_coef", cfg.router_aux_loss_coef)
     return out
 
 
@@ -335,6 +387,55 @@ def hf_name(flat_name: str) -> str:
     return "model." + flat_name
 
 
+def _kernel_t(arr: np.ndarray) -> np.ndarray:
+    """A kernel [..., in, out] <-> an HF weight [..., out, in] (stacked experts too)."""
+    return np.swapaxes(arr, -1, -2)
+
+
+def _experts_prefix(layer: int) -> str:
+    return f"model.layers.{layer}.mlp.experts"
+
+
+def stack_experts(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """HF tensors with each MoE layer's experts as one stacked weight per projection,
+    `model.layers.{i}.mlp.experts.{proj}.weight` [E, out, in], from either HF layout: one
+    tensor per expert (`experts.{e}.{proj}.weight`, the Hub's and what `save_pretrained`
+    writes) or transformers 5's fused in-memory one (`experts.gate_up_proj` [E, 2 * inter,
+    hidden], gate rows first, and `experts.down_proj` [E, hidden, inter]). Experts of a
+    layer that are not all present are left as they are (reported as unexpected)."""
+    if not cfg.moe:
+        return dict(tensors)
+    out = dict(tensors)
+    for i in range(cfg.num_layers):
+        prefix = _experts_prefix(i)
+        fused = out.pop(f"{prefix}.gate_up_proj", None)
+        if fused is not None:
+            inter = fused.shape[1] // 2
+            out[f"{prefix}.gate_proj.weight"] = fused[:, :inter]
+            out[f"{prefix}.up_proj.weight"] = fused[:, inter:]
+            if f"{prefix}.down_proj" in out:
+                out[f"{prefix}.down_proj.weight"] = out.pop(f"{prefix}.down_proj")
+        for proj in EXPERT_PROJECTIONS:
+            names = [f"{prefix}.{e}.{proj}.weight" for e in range(cfg.num_experts)]
+            if all(n in out for n in names):
+                out[f"{prefix}.{proj}.weight"] = np.stack([out.pop(n) for n in names])
+    return out
+
+
+def unstack_experts(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The inverse of `stack_experts` into the per-expert layout (the Hub's)."""
+    if not cfg.moe:
+        return dict(tensors)
+    out = dict(tensors)
+    for i in range(cfg.num_layers):
+        prefix = _experts_prefix(i)
+        for proj in EXPERT_PROJECTIONS:
+            stacked = out.pop(f"{prefix}.{proj}.weight")
+            for e in range(cfg.num_experts):
+                out[f"{prefix}.{e}.{proj}.weight"] = np.ascontiguousarray(stacked[e])
+    return out
+
+
 def _o_bias_names(cfg: ModelConfig) -> list[str]:
     return [f"model.layers.{i}.self_attn.o_proj.bias" for i in range(cfg.num_layers)]
 
@@ -346,6 +447,7 @@ def hf_to_flat(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str,
     all-zero o_proj biases. Anything else unexpected, missing or mis-shaped raises HFError.
     """
     shapes = param_shapes(cfg)
+    tensors = stack_experts(tensors, cfg)
     out: dict[str, np.ndarray] = {}
     missing, misshaped = [], []
     for flat, shape in shapes.items():
@@ -355,7 +457,7 @@ def hf_to_flat(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str,
             continue
         arr = np.asarray(tensors[name], dtype=np.float32)
         if flat.endswith(".kernel"):
-            arr = arr.T
+            arr = _kernel_t(arr)
         if arr.shape != shape:
             misshaped.append(f"{name}: {tuple(tensors[name].shape)}")
             continue
@@ -402,11 +504,13 @@ def flat_to_hf(
     out = {}
     for name, arr in flat.items():
         arr = np.asarray(arr, np.float32)
-        out[hf_name(name)] = np.ascontiguousarray(arr.T if name.endswith(".kernel") else arr)
+        out[hf_name(name)] = np.ascontiguousarray(
+            _kernel_t(arr) if name.endswith(".kernel") else arr
+        )
     if fam.qkv_bias is None and cfg.qkv_bias:  # attention_bias=true also creates o_proj.bias
         for name in _o_bias_names(cfg):
             out[name] = np.zeros((cfg.hidden_size,), np.float32)
-    return {k: v.astype(np_dtype) for k, v in out.items()}
+    return {k: v.astype(np_dtype) for k, v in unstack_experts(out, cfg).items()}
 
 
 def untie_embeddings(

@@ -1,4 +1,4 @@
-"""Decoder-only transformer of the Llama/Qwen2/Qwen3 family in Flax NNX.
+"""Decoder-only transformer of the Llama/Qwen2/Qwen3(-MoE) family in Flax NNX.
 
 Architecture (Hugging Face `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM`):
 token embedding, `num_layers` pre-norm blocks (RMSNorm -> grouped-query attention with
@@ -20,6 +20,10 @@ parameter server) are the NNX attribute paths joined with dots:
     layers.{i}.post_attention_layernorm.weight[hidden]
     layers.{i}.mlp.{gate,up}_proj.kernel      [hidden, inter]
     layers.{i}.mlp.down_proj.kernel           [inter, hidden]
+    layers.{i}.mlp.gate.kernel                [hidden, experts]    MoE (cfg.num_experts > 0) instead
+    layers.{i}.mlp.experts.{gate,up}_proj.kernel [experts, hidden, moe_inter]  of the MLP: router,
+    layers.{i}.mlp.experts.down_proj.kernel   [experts, moe_inter, hidden]     stacked experts,
+    layers.{i}.mlp.shared_expert.*            as mlp.*             when shared_expert_intermediate_size
     norm.weight                               [hidden]             HF model.norm.weight
     lm_head.kernel                            [hidden, vocab]      HF lm_head.weight, transposed;
                                                                    absent when tie_embeddings
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +49,10 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from pipeline.lora import LoraConfig
+from tpu_jobs.model import moe
 from tpu_jobs.model.constraints import constrain
 from tpu_jobs.model.lm_head import head_logits, token_logprobs
+from tpu_jobs.model.moe import RouterOutputs
 
 DTYPES: dict[str, jnp.dtype] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # model.remat -> the `jax.checkpoint` policy of a decoder layer without a cache (what to
@@ -496,21 +502,92 @@ class MLP(nnx.Module):
         return constrain(self.down_proj(jax.nn.silu(gate) * up, kd), "batch", None, None)
 
 
+class ExpertKernels(nnx.Module):
+    """One projection of every expert: kernel [experts, in, out] (HF's per-expert weights
+    [out, in], stacked and transposed)."""
+
+    def __init__(self, experts: int, d_in: int, d_out: int, *, std: float, rngs: nnx.Rngs):
+        self.kernel = _normal(rngs, (experts, d_in, d_out), std)
+
+
+class Experts(nnx.Module):
+    """The SwiGLU experts of a MoE layer, stacked (`tpu_jobs.model.moe.dropless_experts`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        out_std = INIT_STD / math.sqrt(2 * cfg.num_layers)
+        self.gate_proj = ExpertKernels(e, h, i, std=INIT_STD, rngs=rngs)
+        self.up_proj = ExpertKernels(e, h, i, std=INIT_STD, rngs=rngs)
+        self.down_proj = ExpertKernels(e, i, h, std=out_std, rngs=rngs)
+
+
+class MoE(nnx.Module):
+    """Mixture-of-experts MLP (Qwen3-MoE's sparse block): a router `gate` [hidden, experts]
+    picks `num_experts_per_tok` experts per token (`tpu_jobs.model.moe.route`), which run
+    dropless (`moe.dropless_experts`); plus an ungated `shared_expert` MLP every token
+    goes through when `shared_expert_intermediate_size` > 0. LoRA adapters are not
+    supported here (`pipeline.lora` refuses MLP targets on a MoE model)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False, std=INIT_STD, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs)
+        shared = replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
+        self.shared_expert = MLP(shared, rngs=rngs) if cfg.shared_expert_intermediate_size else None
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def __call__(
+        self, x: jax.Array, routing: jax.Array | None = None
+    ) -> tuple[jax.Array, RouterOutputs]:
+        """x [B, T, H] -> (output [B, T, H], this layer's RouterOutputs with logits
+        [B, T, E] and experts [B, T, k]). `routing` [B, T, k] int: use these experts
+        instead of the router's top-k (routing replay; the weights still come from the
+        router's probabilities, so the router keeps its gradient)."""
+        b, t, h = x.shape
+        logits = self.gate(x).astype(jnp.float32)
+        weights, experts = moe.route(logits, self.top_k, self.norm_topk_prob, routing)
+        ex = self.experts
+        y = moe.dropless_experts(
+            x.reshape(b * t, h),
+            experts.reshape(b * t, -1),
+            weights.reshape(b * t, -1),
+            ex.gate_proj.kernel[...],
+            ex.up_proj.kernel[...],
+            ex.down_proj.kernel[...],
+        ).reshape(b, t, h)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(x)
+        return constrain(y, "batch", None, None), RouterOutputs(logits, experts)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, lora: Adapters | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rngs=rngs, lora=lora)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, rngs=rngs, lora=lora)
+        self.mlp = MoE(cfg, rngs=rngs) if cfg.moe else MLP(cfg, rngs=rngs, lora=lora)
 
     def __call__(self, x, cos, sin, visible, cache_kv, segments=None, dropout_key=None):
+        """(output, updated cache arrays or None): `forward` without the router's outputs
+        (what the samplers' decode steps call)."""
+        return self.forward(x, cos, sin, visible, cache_kv, segments, dropout_key)[:2]
+
+    def forward(
+        self, x, cos, sin, visible, cache_kv, segments=None, dropout_key=None, routing=None
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None, RouterOutputs | None]:
+        """(output, updated cache arrays or None, the MoE router's outputs or None for a
+        dense MLP). `routing` [B, T, k]: the experts to use (MoE only; `MoE.__call__`)."""
         k_attn, k_mlp = _keys(dropout_key, 2)
         attn, new_cache = self.self_attn(
             self.input_layernorm(x), cos, sin, visible, cache_kv, segments, k_attn
         )
         x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x), k_mlp)
-        return x, new_cache
+        h = self.post_attention_layernorm(x)
+        router = None
+        if isinstance(self.mlp, MoE):
+            out, router = self.mlp(h, routing)
+        else:
+            out = self.mlp(h, k_mlp)
+        return x + out, new_cache, router
 
 
 class Transformer(nnx.Module):
@@ -583,6 +660,36 @@ class Transformer(nnx.Module):
 
         `segments` [B, T] int (no cache; `tpu_jobs.learning.packing`): several sequences per row,
         query i sees key j iff j <= i and both are in the same segment (> 0)."""
+        x, new_cache, _ = self._layers(
+            tokens, positions, mask, cache, cache_index, dtype, segments, None
+        )
+        return x, new_cache
+
+    def hidden_and_router(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        *,
+        dtype: str | None = None,
+        segments: jax.Array | None = None,
+        routing: jax.Array | None = None,
+    ) -> tuple[jax.Array, RouterOutputs | None]:
+        """The cache-less `hidden` (training forwards) and what the MoE routers decided,
+        every layer's stacked (`tpu_jobs.model.moe.RouterOutputs`; None for a dense model),
+        for the router losses and the expert-load metrics.
+
+        `routing` [layers, B, T, k] int (MoE only): the experts every token goes to in
+        every layer instead of the routers' top-k, e.g. the sampler's recorded choices
+        (routing replay); a forward's own `RouterOutputs.experts` reproduces it exactly."""
+        if routing is not None and not self.cfg.moe:
+            raise ValueError("routing= is for mixture-of-experts models (model.num_experts > 0)")
+        x, _, router = self._layers(tokens, positions, mask, None, None, dtype, segments, routing)
+        return x, router
+
+    def _layers(self, tokens, positions, mask, cache, cache_index, dtype, segments, routing):
+        """(`hidden`'s two results, the routers' outputs stacked over layers or None):
+        `hidden`'s arguments and `hidden_and_router`'s `routing`."""
         cdt = _dtype(dtype or self.cfg.dtype)
         b, t = tokens.shape
         mask = mask.astype(jnp.int32)
@@ -620,10 +727,19 @@ class Transformer(nnx.Module):
         if cache is None and hasattr(self, "lora_dropout_key"):
             lora_key = self.lora_dropout_key[...]
         if cache is None and self.cfg.remat in REMAT:
-            x = _remat_layers(
-                self.layers, x, cos, sin, visible, REMAT[self.cfg.remat], key_segments, lora_key
+            x, router = _remat_layers(
+                self.layers,
+                x,
+                cos,
+                sin,
+                visible,
+                REMAT[self.cfg.remat],
+                key_segments,
+                lora_key,
+                routing,
             )
-            return self.norm(x), None
+            return self.norm(x), None, router
+        routers = []
         for i, layer in enumerate(self.layers):
             if cache is None:
                 cache_kv = None
@@ -632,7 +748,11 @@ class Transformer(nnx.Module):
             else:
                 cache_kv = (k_all, v_all, i, slot)
             layer_key = None if lora_key is None else jax.random.fold_in(lora_key, i)
-            x, new_kv = layer(x, cos, sin, visible, cache_kv, key_segments, layer_key)
+            layer_routing = None if routing is None else routing[i]
+            x, new_kv, router = layer.forward(
+                x, cos, sin, visible, cache_kv, key_segments, layer_key, layer_routing
+            )
+            routers.append(router)
             if new_kv is not None and cache.per_layer:
                 k_all[i], v_all[i] = new_kv
             elif new_kv is not None:
@@ -640,12 +760,15 @@ class Transformer(nnx.Module):
         if cache is not None and cache.per_layer:
             k_all, v_all = tuple(k_all), tuple(v_all)
         new_cache = None if cache is None else KVCache(k=k_all, v=v_all, mask=key_mask)
-        return self.norm(x), new_cache
+        router = None
+        if self.cfg.moe:  # every layer's, stacked as the remat scan stacks them
+            router = jax.tree.map(lambda *r: jnp.stack(r), *routers)
+        return self.norm(x), new_cache, router
 
 
 def _remat_layers(
-    layers, x, cos, sin, visible, policy, segments=None, dropout_key=None
-) -> jax.Array:
+    layers, x, cos, sin, visible, policy, segments=None, dropout_key=None, routing=None
+) -> tuple[jax.Array, RouterOutputs | None]:
     """The decoder layers (no cache) as a `lax.scan` over their stacked weights, each step
     under `jax.checkpoint` with `policy` (`REMAT`).
 
@@ -655,7 +778,8 @@ def _remat_layers(
     of the Qwen2.5-0.5B shape at 8 x 2,048 kept 168 of 197 GiB. The scan's backward loop
     runs one layer at a time, so one layer's activations are live at once. The stack is a
     copy of the layers' weights inside the program (their gradients come back through
-    it), paid once per step.
+    it), paid once per step. Returns (output, the MoE routers' outputs stacked over layers
+    or None); `routing` [layers, ...]: each layer's replayed experts (`hidden_and_router`).
     """
     graphdef, first = nnx.split(layers[0])
     stacked = jax.tree.map(lambda *w: jnp.stack(w), first, *(nnx.split(m)[1] for m in layers[1:]))
@@ -663,19 +787,20 @@ def _remat_layers(
     def body(h: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
         return nnx.merge(graphdef, state)(h, cos, sin, visible, None, segments)[0], None
 
-    if dropout_key is None:
+    if dropout_key is None and not isinstance(layers[0].mlp, MoE):
         x, _ = jax.lax.scan(jax.checkpoint(body, policy=policy), x, stacked)
-        return x
+        return x, None
 
-    def body_dropout(h: jax.Array, xs: tuple[nnx.State, jax.Array]) -> tuple[jax.Array, None]:
-        state, i = xs  # layer i's key, as the loop of `Transformer.hidden` folds it
+    def body_full(h: jax.Array, xs) -> tuple[jax.Array, RouterOutputs | None]:
+        state, i, layer_routing = xs
         layer = nnx.merge(graphdef, state)
-        key = jax.random.fold_in(dropout_key, i)
-        return layer(h, cos, sin, visible, None, segments, key)[0], None
+        # layer i's key, as the loop of `Transformer.hidden` folds it
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, i)
+        out, _, router = layer.forward(h, cos, sin, visible, None, segments, key, layer_routing)
+        return out, router
 
     layer_ids = jnp.arange(len(layers))
-    x, _ = jax.lax.scan(jax.checkpoint(body_dropout, policy=policy), x, (stacked, layer_ids))
-    return x
+    return jax.lax.scan(jax.checkpoint(body_full, policy=policy), x, (stacked, layer_ids, routing))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -712,7 +837,11 @@ def param_count(cfg: ModelConfig) -> int:
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if cfg.qkv_bias else 0)
     attn += 2 * cfg.head_dim if cfg.qk_norm else 0
-    layer = attn + 3 * h * i + 2 * h
+    mlp = 3 * h * i
+    if cfg.moe:  # the router, the experts and the shared expert replace the MLP
+        e, s = cfg.num_experts, cfg.shared_expert_intermediate_size
+        mlp = h * e + 3 * e * h * cfg.moe_intermediate_size + 3 * h * s
+    layer = attn + mlp + 2 * h
     return v * h + cfg.num_layers * layer + h + (0 if cfg.tie_embeddings else h * v)
 
 

@@ -1,0 +1,150 @@
+"""Mixture-of-experts math as pure functions: routing, dropless dispatch, router losses.
+
+A MoE layer (`tpu_jobs.model.transformer.MoE`, Qwen3-MoE's `Qwen3MoeSparseMoeBlock`) sends
+each token to `k` of `E` SwiGLU experts picked by a softmax router and sums their outputs
+weighted by the router's probabilities (renormalised over the k picked when
+`norm_topk_prob`).
+
+Dispatch is dropless: the N * k (token, expert) assignments are sorted by expert and each
+expert's contiguous run of rows is multiplied by its own weights with one grouped matmul
+(`jax.lax.ragged_dot`), so every token reaches every expert it picked whatever the load,
+with no capacity factor and no padding to E equal groups. The work is that of the k active
+experts per token, not of all E.
+
+Routing replay (issue 38, item 4) enters through `route(..., experts=)`: given recorded
+expert ids, the router's choice is skipped and the weights are the router's probabilities
+at those ids, so the router logits still get their gradient through the recorded experts'
+weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RouterOutputs:
+    """What the routers of a forward decided, per MoE layer (stacked on axis 0).
+
+    logits: [layers, B, T, E] float32 router logits (the aux losses and metrics read them);
+    experts: [layers, B, T, k] int32, the experts each token was sent to (what routing
+    replay records and feeds back as `Transformer.hidden(..., routing=)`)."""
+
+    logits: jax.Array
+    experts: jax.Array
+
+
+def route(
+    logits: jax.Array, k: int, norm_topk_prob: bool, experts: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(weights [..., k] float32, experts [..., k] int32) of router logits [..., E].
+
+    The top-k of softmax(logits) (ties to the lower index, as `jax.lax.top_k`), or the
+    given `experts` (routing replay); the weights are the softmax probabilities of the
+    chosen experts, divided by their sum when `norm_topk_prob` (Qwen3-MoE)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if experts is None:
+        _, experts = jax.lax.top_k(probs, k)
+    experts = experts.astype(jnp.int32)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def dropless_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """sum_j weights[n, j] * SwiGLU_{experts[n, j]}(x[n]) for tokens x [N, H].
+
+    experts, weights: [N, k]; w_gate, w_up: [E, H, I]; w_down: [E, I, H] (each expert's
+    kernels [in, out]). The N * k assignments are sorted by expert (stable, so the rows of
+    one expert keep token order) and run as grouped matmuls over the E runs; the outputs
+    are scattered back and summed per token. Returns [N, H] in x's dtype."""
+    n, k = experts.shape
+    num_experts = w_gate.shape[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    rows = jnp.take(x, token, axis=0)  # [N * k, H], grouped by expert
+    gate = jax.lax.ragged_dot(rows, w_gate.astype(x.dtype), sizes)
+    up = jax.lax.ragged_dot(rows, w_up.astype(x.dtype), sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(x.dtype), sizes)
+    out = out * jnp.take(weights.reshape(-1), order).astype(x.dtype)[:, None]
+    return jnp.zeros((n, x.shape[-1]), x.dtype).at[token].add(out)
+
+
+def _token_weights(mask: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:
+    """[layers, B, T] float32 weights of the real tokens (mask [B, T]; None: all)."""
+    if mask is None:
+        return jnp.ones(shape, jnp.float32)
+    return jnp.broadcast_to(mask.astype(jnp.float32), shape)
+
+
+def load_balancing_loss(router: RouterOutputs, mask: jax.Array | None = None) -> jax.Array:
+    """The Switch Transformer's auxiliary loss as transformers' `load_balancing_loss_func`:
+    E * sum_e f_e * P_e, with f_e the share of (token, pick) assignments that went to
+    expert e times k (each token counts k times) and P_e the mean router probability of
+    expert e, both over every real token (mask [B, T], 1 = real) of every layer. Minimal
+    (k) when load and probability are uniform. A scalar float32; its gradient reaches the
+    router through P only (f counts discrete choices)."""
+    num_experts = router.logits.shape[-1]
+    w = _token_weights(mask, router.logits.shape[:-1])
+    total = jnp.maximum(jnp.sum(w), 1.0)
+    probs = jax.nn.softmax(router.logits.astype(jnp.float32), axis=-1)
+    picks = jnp.sum(jax.nn.one_hot(router.experts, num_experts, dtype=jnp.float32), axis=-2)
+    f = jnp.einsum("...e,...->e", picks, w) / total
+    p = jnp.einsum("...e,...->e", probs, w) / total
+    return num_experts * jnp.sum(f * p)
+
+
+def router_z_loss(router: RouterOutputs, mask: jax.Array | None = None) -> jax.Array:
+    """ST-MoE's router z-loss: the mean over real tokens and layers of
+    logsumexp(router logits)^2, which keeps the logits small (bf16 round-off grows with
+    them). A scalar float32."""
+    w = _token_weights(mask, router.logits.shape[:-1])
+    z = jax.nn.logsumexp(router.logits.astype(jnp.float32), axis=-1)
+    return jnp.sum(w * z * z) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def expert_load_metrics(
+    router: RouterOutputs, mask: jax.Array | None = None
+) -> dict[str, jax.Array]:
+    """Per-step diagnostics of the routing over real tokens: `expert_load_max` = the most
+    loaded expert's (token, pick) assignments over the mean expert's, per layer, the max
+    over layers (1 = perfectly balanced, E / k = every token on the same k experts);
+    `expert_load_min` likewise the least loaded's (0: an expert that got no token);
+    `router_entropy` = the mean entropy (nats) of the router's softmax (log E = uniform)."""
+    num_experts = router.logits.shape[-1]
+    w = _token_weights(mask, router.logits.shape[:-1])
+    picks = jnp.sum(jax.nn.one_hot(router.experts, num_experts, dtype=jnp.float32), axis=-2)
+    per_layer = jnp.einsum("l...e,l...->le", picks, w)  # [layers, E]
+    mean = jnp.maximum(jnp.mean(per_layer, axis=-1), 1e-9)
+    logp = jax.nn.log_softmax(router.logits.astype(jnp.float32), axis=-1)
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return {
+        "expert_load_max": jnp.max(jnp.max(per_layer, axis=-1) / mean),
+        "expert_load_min": jnp.min(jnp.min(per_layer, axis=-1) / mean),
+        "router_entropy": jnp.sum(w * entropy) / jnp.maximum(jnp.sum(w), 1.0),
+    }
+
+
+def router_loss(
+    router: RouterOutputs, mask: jax.Array | None, aux_coef: float, z_coef: float
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(aux_coef * load_balancing_loss + z_coef * router_z_loss, metrics): the router's
+    part of a training objective (`model.router_aux_loss_coef`, `router_z_loss_coef`) and
+    its metrics (both losses and `expert_load_metrics`)."""
+    aux, z = load_balancing_loss(router, mask), router_z_loss(router, mask)
+    metrics = {"router_aux_loss": aux, "router_z_loss": z, **expert_load_metrics(router, mask)}
+    return aux_coef * aux + z_coef * z, metrics
