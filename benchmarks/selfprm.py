@@ -43,6 +43,7 @@ K = 8
 MAX_WALL_S = 600.0
 MAX_PASS1_COST = 0.03  # pass@1 may trail the no-judge run of the same seed by this much
 CONTROL = "no-judge"
+READING = "## Reading"
 
 # The judging SFT every variant shares (and the no-judge control too, so that it is the
 # same base): a quarter of the demonstrations end with the verdict of a solution a fair
@@ -205,6 +206,11 @@ def main() -> int:
             "",
             *table(sorted(rows, key=lambda r: (r["variant"], r["seed"]))),
         ]
+        # The reading of the table, written by hand below READING, survives a rerun.
+        out = Path(args.out)
+        text = out.read_text() if out.is_file() else ""
+        if READING in text:
+            lines += ["", READING + text.split(READING, 1)[1].rstrip("\n")]
         write_results(args.out, lines, rows)
 
     for spec in args.add:
