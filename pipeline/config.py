@@ -86,6 +86,9 @@ MODEL_CEILINGS: dict[str, int] = {
     "max_seq_len": 1 << 20,
 }
 # The mixture-of-experts sizes (0 = a dense model); DeepSeek-V3 has 256 routed experts.
+# model.moe_dispatch's values: "auto" and tpu_jobs.model.moe.DISPATCH's names (pinned by
+# tests/tpu_jobs/test_moe.py; the core does not import the jobs' library).
+MOE_DISPATCH = ("auto", "ragged_dot", "tiled")
 MOE_CEILINGS: dict[str, int] = {
     "num_experts": 4096,
     "moe_intermediate_size": 131072,
@@ -162,6 +165,11 @@ class ModelConfig:
     # mean(logsumexp(router logits)^2)); tpu_jobs.model.moe.
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    # How the experts run (tpu_jobs.model.moe.DISPATCH; the same numbers): "ragged_dot"
+    # (one jax.lax.ragged_dot per projection over the tokens sorted by expert), "tiled"
+    # (the sorted rows padded per expert to tiles, one batched matmul), "auto": tiled on
+    # CPU, where XLA lowers ragged_dot ~10x slower, ragged_dot on GPU and TPU.
+    moe_dispatch: str = "auto"
 
     @property
     def moe(self) -> bool:
@@ -231,6 +239,7 @@ class ModelConfig:
             _check(0 <= value < math.inf, f"model.{name}", value, "a finite number >= 0 (0: off)")
         _check(isinstance(self.norm_topk_prob, bool), "model.norm_topk_prob", self.norm_topk_prob,
                "true or false")  # fmt: skip
+        _one_of("model.moe_dispatch", self.moe_dispatch, MOE_DISPATCH)
         if not self.moe:
             for name in ("num_experts_per_tok", "moe_intermediate_size",
                          "shared_expert_intermediate_size"):  # fmt: skip

@@ -588,6 +588,7 @@ NEW_KEYS = (
             "shared_expert_intermediate_size",
             "router_aux_loss_coef",
             "router_z_loss_coef",
+            "moe_dispatch",
         )
     ),
 )

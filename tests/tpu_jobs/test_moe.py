@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pipeline.config import ModelConfig
+from pipeline.config import MOE_DISPATCH, ModelConfig
 from pipeline.errors import ConfigError
 from tests.runs import tiny_config
 from tpu_jobs.learning.step import Learner, StepInputs
@@ -128,7 +128,8 @@ def test_route_is_the_top_k_of_the_softmax(tensors, norm):
 # --------------------------------------------------------------------------- dispatch
 
 
-def test_dropless_dispatch_equals_the_dense_reference_values_and_gradients(tensors):
+@pytest.mark.parametrize("dispatch", sorted(moe.DISPATCH))
+def test_dropless_dispatch_equals_the_dense_reference_values_and_gradients(tensors, dispatch):
     t = {k: jnp.asarray(v) for k, v in tensors.items()}
     # Skewed routing: expert 0 gets most tokens, expert E-1 none (a capacity factor would
     # drop tokens here; dropless must not).
@@ -141,7 +142,7 @@ def test_dropless_dispatch_equals_the_dense_reference_values_and_gradients(tenso
 
     args = (t["x"], logits, t["w_gate"], t["w_up"], t["w_down"])
     grad = jax.grad(loss, argnums=(1, 2, 3, 4, 5), has_aux=True)
-    g_ours, y_ours = jax.jit(lambda *a: grad(moe.dropless_experts, *a))(*args)
+    g_ours, y_ours = jax.jit(lambda *a: grad(moe.DISPATCH[dispatch], *a))(*args)
     g_ref, y_ref = jax.jit(lambda *a: grad(dense_reference, *a))(*args)
     _, experts = moe.route(logits, K, True)
     counts = np.bincount(np.asarray(experts).reshape(-1), minlength=E)
@@ -151,6 +152,17 @@ def test_dropless_dispatch_equals_the_dense_reference_values_and_gradients(tenso
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=name)
         assert np.abs(np.asarray(b)).max() > 1e-3, name  # a gradient that exists
     assert np.all(np.asarray(g_ours[4])[E - 1] == 0)  # the idle expert gets no gradient
+
+
+def test_dispatch_names_and_tiles():
+    """The config's names are the registry's; "auto" takes the tiled experts on CPU only;
+    tiles are about an expert's even share of the assignments, a power of 2 in [8, 128]."""
+    assert set(MOE_DISPATCH) == {"auto", *moe.DISPATCH}
+    assert moe.dispatch("auto", "cpu") is moe.tiled_experts
+    assert moe.dispatch("auto", "tpu") is moe.dropless_experts
+    assert moe.dispatch("ragged_dot", "cpu") is moe.dropless_experts
+    expected = {(4096, 8): 128, (1000, 8): 128, (256, 8): 32, (130, 8): 16, (16, 8): 8, (1, 8): 8}
+    assert {a: moe.dispatch_tile(*a) for a in expected} == expected
 
 
 # --------------------------------------------------------------------------- losses

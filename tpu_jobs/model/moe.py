@@ -19,6 +19,7 @@ weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -82,6 +83,76 @@ def dropless_experts(
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(x.dtype), sizes)
     out = out * jnp.take(weights.reshape(-1), order).astype(x.dtype)[:, None]
     return jnp.zeros((n, x.shape[-1]), x.dtype).at[token].add(out)
+
+
+def tiled_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """`dropless_experts`' result by batched matmuls over fixed-size tiles of rows.
+
+    The assignments are sorted by expert as there, and each expert's run of rows is padded
+    to a multiple of `dispatch_tile` rows, so that every tile belongs to one expert: the
+    tiles then go through one batched matmul with their experts' kernels gathered per tile
+    (MegaBlocks' block-sparse layout, Gale et al. 2023). Still dropless, with no capacity
+    factor: the padding is at most tile - 1 rows per expert, zeros that are never read
+    back. XLA:CPU runs this several times faster than its lowering of
+    `jax.lax.ragged_dot` (benchmarks/results/moe_demo.md), which accelerators run natively."""
+    n, k = experts.shape
+    num_experts = w_gate.shape[0]
+    tile = dispatch_tile(n * k, num_experts)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    padded = (sizes + tile - 1) // tile * tile
+    ends = jnp.cumsum(padded)
+    num_tiles = (n * k + num_experts * (tile - 1)) // tile  # the most the padding can need
+    by_expert = flat[order]
+    # Each assignment's row in the padded layout: its expert's padded start + its rank
+    # among that expert's assignments.
+    rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[by_expert]
+    slot = (ends - padded)[by_expert] + rank
+    rows = jnp.zeros((num_tiles * tile, x.shape[-1]), x.dtype)
+    rows = rows.at[slot].set(jnp.take(x, token, axis=0)).reshape(num_tiles, tile, -1)
+    # Tiles past the last expert's rows hold zeros; any expert's kernel gives them zeros.
+    owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_tiles) * tile, side="right"),
+                        num_experts - 1)  # fmt: skip
+    gate = jnp.einsum("tsh,thi->tsi", rows, w_gate[owner].astype(x.dtype))
+    up = jnp.einsum("tsh,thi->tsi", rows, w_up[owner].astype(x.dtype))
+    out = jnp.einsum("tsi,tih->tsh", jax.nn.silu(gate) * up, w_down[owner].astype(x.dtype))
+    out = out.reshape(num_tiles * tile, -1)[slot]
+    out = out * jnp.take(weights.reshape(-1), order).astype(x.dtype)[:, None]
+    return jnp.zeros((n, x.shape[-1]), x.dtype).at[token].add(out)
+
+
+def dispatch_tile(assignments: int, num_experts: int) -> int:
+    """Rows per tile of `tiled_experts`: about an expert's even share of the (token, pick)
+    assignments, a power of two in [8, 128] (larger tiles make faster matmuls, smaller
+    ones less padding; decoding a few rows must not pad each expert to 128)."""
+    share = max(1, assignments // num_experts)
+    return int(min(128, max(8, 1 << (share - 1).bit_length())))
+
+
+# model.moe_dispatch: how the experts run (the same numbers; tests/tpu_jobs/test_moe.py).
+DISPATCH: dict[str, Callable[..., jax.Array]] = {
+    "ragged_dot": dropless_experts,
+    "tiled": tiled_experts,
+}
+# "auto" by platform: XLA:CPU lowers ragged_dot to slow code (measured ~10x the tiled
+# forward at the demo_moe shape); GPU and TPU have native grouped matmuls for it.
+AUTO_DISPATCH = {"cpu": "tiled"}
+
+
+def dispatch(name: str, platform: str) -> Callable[..., jax.Array]:
+    """The experts' function of `model.moe_dispatch` on `platform` (jax.default_backend())."""
+    if name == "auto":
+        name = AUTO_DISPATCH.get(platform, "ragged_dot")
+    return DISPATCH[name]
 
 
 def _token_weights(mask: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:

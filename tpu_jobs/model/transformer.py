@@ -524,7 +524,7 @@ class Experts(nnx.Module):
 class MoE(nnx.Module):
     """Mixture-of-experts MLP (Qwen3-MoE's sparse block): a router `gate` [hidden, experts]
     picks `num_experts_per_tok` experts per token (`tpu_jobs.model.moe.route`), which run
-    dropless (`moe.dropless_experts`); plus an ungated `shared_expert` MLP every token
+    dropless (`moe.DISPATCH[model.moe_dispatch]`); plus an ungated `shared_expert` MLP every token
     goes through when `shared_expert_intermediate_size` > 0. LoRA adapters are not
     supported here (`pipeline.lora` refuses MLP targets on a MoE model)."""
 
@@ -534,6 +534,7 @@ class MoE(nnx.Module):
         shared = replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
         self.shared_expert = MLP(shared, rngs=rngs) if cfg.shared_expert_intermediate_size else None
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.dispatch = cfg.moe_dispatch
 
     def __call__(
         self, x: jax.Array, routing: jax.Array | None = None
@@ -546,7 +547,7 @@ class MoE(nnx.Module):
         logits = self.gate(x).astype(jnp.float32)
         weights, experts = moe.route(logits, self.top_k, self.norm_topk_prob, routing)
         ex = self.experts
-        y = moe.dropless_experts(
+        y = moe.dispatch(self.dispatch, jax.default_backend())(
             x.reshape(b * t, h),
             experts.reshape(b * t, -1),
             weights.reshape(b * t, -1),
