@@ -210,11 +210,12 @@ def _check_routing(table: pa.Table, lim: BatchLimits, tokens: np.ndarray) -> Non
     token, layer and pick, each an expert id or the not-recorded mark E."""
     if not lim.num_experts:
         raise BadBatchError("has a routing column, but the model is dense (model.num_experts 0)")
-    want = pa.list_(pa.from_numpy_dtype(routing_dtype(lim.num_experts)))
+    want = pa.from_numpy_dtype(routing_dtype(lim.num_experts))
     got = table.schema.field("routing").type
-    if got != want:
+    if not pa.types.is_list(got) or got.value_type != want:
         raise BadBatchError(
-            f"column routing is {got}; expected {want} for model.num_experts={lim.num_experts}"
+            f"column routing is {got}; expected a list of {want} for model.num_experts="
+            f"{lim.num_experts}"
         )
     values, rows, lengths = _lists(table, "routing")
     wrong = lengths != tokens * lim.routing_width
