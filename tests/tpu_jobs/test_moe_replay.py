@@ -45,10 +45,10 @@ def _model(seed: int = 3):
     return model
 
 
-def _sample(model, sampler, dtype="float32"):
-    keys = jax.random.split(jax.random.key(5), len(PROMPTS))
-    params = SamplingParams(max_new_tokens=10, temperature=1.0, dtype=dtype)
-    return sampler.generate(model, PROMPTS, keys, params)
+def _sample(model, sampler, prompts=PROMPTS, max_new=10):
+    keys = jax.random.split(jax.random.key(5), len(prompts))
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0)
+    return sampler.generate(model, prompts, keys, params)
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +82,14 @@ def test_the_samplers_record_the_experts_the_training_forward_chooses(sampled):
     assert decided > 0.9 * sum(len(r) - 1 for r in out.routing) * LAYERS
 
 
-@pytest.mark.parametrize("kv_tokens", [None, 32], ids=["roomy", "preempting"])
+@pytest.mark.parametrize("kv_tokens", [None, 64], ids=["roomy", "preempting"])
 def test_the_engine_records_what_the_static_sampler_records(sampled, kv_tokens):
-    model, static = sampled
+    model, _ = sampled
+    prompts = PROMPTS * 3  # 12 rows through 4 slots: refills, and preemptions in 64 tokens
+    static = _sample(model, StaticSampler(CFG, pad_id=0, eos_id=2), prompts, 20)
     engine = Engine(CFG, pad_id=0, eos_id=2, max_slots=4, row_buckets=(4,), kv_tokens=kv_tokens,
                     page_size=4, chunk=4, prompt_buckets=(16,), check=True)  # fmt: skip
-    out = _sample(model, engine)
+    out = _sample(model, engine, prompts, 20)
     assert (engine.stats["preemptions"] > 0) == (kv_tokens is not None)
     np.testing.assert_array_equal(out.tokens, static.tokens)
     for got, want in zip(out.routing, static.routing, strict=True):
@@ -117,7 +119,8 @@ def _batch(out, routing=True) -> RolloutBatch:
 
 def _learner(replay: bool) -> Learner:
     cfg = tiny_config(
-        "model.preset=tiny_moe", "model.vocab_size=64", "model.qk_norm=true",
+        "model.preset=tiny_moe", "model.hidden_size=32", "model.intermediate_size=64",
+        "model.vocab_size=64", "model.qk_norm=true",
         "model.norm_topk_prob=true", "rollout.prompts_per_batch=2", "rollout.group_size=2",
         "sampler.max_new_tokens=10", "trainer.kl_coef=0", f"trainer.routing_replay={replay}",
     )  # fmt: skip
