@@ -220,3 +220,41 @@ def test_configurations_replay_refuses():
         tiny_config("trainer.routing_replay=true")
     with pytest.raises(ConfigError, match="trainer.routing_replay.*trainer.pack"):
         tiny_config("model.preset=tiny_moe", "trainer.routing_replay=true", "trainer.pack=true")
+
+
+def _expert_kernels(learner: Learner, params, expert: int) -> dict[str, np.ndarray]:
+    flat = flat_params(learner.fns.merge(params["policy"]))
+    return {n: np.array(v[expert]) for n, v in flat.items() if ".mlp.experts." in n}
+
+
+def test_an_expert_no_token_reached_keeps_its_weights_unless_adam_remembers_it(sampled):
+    """What bounds a MoE run's delta versions: replaying a record that sends no token to
+    expert E-1 (every token sent to two of the others) gives that expert a zero gradient.
+    From fresh AdamW moments (weight decay 0) its weights stay bit-identical; after a
+    step in which it got tokens, the moments still move it."""
+    model, out = sampled
+    learner = _learner(True)
+    avoid = _batch(out)
+    avoid.routing = []
+    for r in out.routing:
+        first = r[:, :, :1] % (E - 1)  # two different experts of 0..E-2 per token and layer
+        r = np.concatenate([first, (first + 1) % (E - 1)], axis=-1).astype(r.dtype)
+        r[-1] = E  # the last token still unrecorded
+        avoid.routing.append(r.reshape(-1))
+    params, opt = _params(learner, model)
+    before = _expert_kernels(learner, params, E - 1)
+    used = _expert_kernels(learner, params, 0)
+    params1, _, _ = learner.step(params, opt, None, learner.inputs(avoid))
+    for name, value in _expert_kernels(learner, params1, E - 1).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    assert all(
+        np.abs(v - used[n]).max() > 0 for n, v in _expert_kernels(learner, params1, 0).items()
+    )
+    # A step with its own routing (expert E-1 reached), then the avoiding batch again
+    # (fresh params: a step donates the ones it is given).
+    params, opt = _params(learner, model)
+    params2, opt2, _ = learner.step(params, opt, None, learner.inputs(_batch(out)))
+    held = _expert_kernels(learner, params2, E - 1)
+    params3, _, _ = learner.step(params2, opt2, None, learner.inputs(avoid))
+    moved = _expert_kernels(learner, params3, E - 1)
+    assert all(np.abs(moved[n] - held[n]).max() > 0 for n in held)
