@@ -10,13 +10,17 @@
    the trainer's step logs (`is_ratio_*`), and the share of tokens whose top-k set
    differs between the sampler's record and the trainer's own routers (per (token,
    layer), and tokens with any layer differing), over the tokens the sampler recorded.
-2. Deltas (item 5): `--delta-steps` on-policy GRPO steps of the SFT'd model (the worker
-   samples each batch from the current weights, as with max_staleness 0), each version cast
-   to bfloat16 as the parameter server publishes it: the share of elements that changed
+2. Deltas (item 5): `--delta-steps` on-policy GRPO steps from the random initialisation
+   (the worker samples each batch from the current weights, as with max_staleness 0) with
+   an entropy bonus (`--entropy-coef`), as benchmarks/paramserver_deltas.py does: the
+   base earns no reward, so without it GRPO's advantages, the gradients and the deltas
+   are all zero (measured: 0 changed elements in 4 steps from the SFT 200 model, whose
+   groups all scored 0). Each version cast to bfloat16 as the parameter server publishes it: the share of elements that changed
    per step, overall and for the experts, the routers and the rest; and, per step, the
    (layer, expert) pairs the batch sent no token to and whether their weights changed.
 
     .venv/bin/python benchmarks/moe_replay.py [--sft-steps 200] [--delta-steps 4]
+        [--entropy-coef 0.01] [--deltas-only: keep the results file's alignment rows]
 
 Writes benchmarks/results/moe_replay.md (and .json).
 """
@@ -55,6 +59,7 @@ def make_run(args, root: Path) -> Run:
             "trainer.max_staleness=0",
             f"trainer.lr={args.lr}",
             "trainer.warmup_steps=0",  # the deltas' first steps at the full lr
+            f"trainer.entropy_coef={args.entropy_coef}",
             "trainer.routing_replay=true",
             "sampler.engine=jax",
             "task.num_train=2000",
@@ -254,8 +259,10 @@ def write(args, align: list[dict], delta: list[dict], seconds: float) -> None:
         "",
         "## Delta versions of a MoE run",
         "",
-        f"{len(delta)} on-policy GRPO steps from the SFT'd model (lr {args.lr}, weight decay 0, "
-        "no warmup), each version cast to bfloat16 as `paramserver.dtype=bfloat16` "
+        f"{len(delta)} on-policy GRPO steps from the random initialisation (lr {args.lr}, weight "
+        f"decay 0, no warmup, entropy bonus {args.entropy_coef}: the base earns no reward, so "
+        "GRPO alone moves nothing; from the SFT 200 model, whose groups all scored 0, 4 steps "
+        "changed 0 elements), each version cast to bfloat16 as `paramserver.dtype=bfloat16` "
         "publishes it: the share of elements that differ from the previous version "
         "(a delta version's payload is about that share of a full one), by kind; idle "
         "experts: (layer, expert) pairs the step's batch sent no token to, and the largest "
@@ -292,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--delta-steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=8e-5, help="trainer.lr (the demo's)")
+    parser.add_argument("--entropy-coef", type=float, default=0.01)
+    parser.add_argument("--deltas-only", action="store_true")
     parser.add_argument("--root", default=None, help="work directory (default: a temp dir)")
     parser.add_argument("--note", default="", help="a paragraph for the results file")
     parser.add_argument("--out", default=str(RESULTS))
@@ -301,14 +310,17 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(args.root or tmp)
         run = make_run(args, root / "random")
         publish_random_base(run)
-        align = alignment(run, "random init")
-        if args.sft_steps:
+        if args.deltas_only:
+            align = json.loads(Path(args.out).with_suffix(".json").read_text())["alignment"]
+        else:
+            align = alignment(run, "random init")
+        delta = deltas(run, args.delta_steps) if args.delta_steps else []
+        if args.sft_steps and not args.deltas_only:
             from tpu_jobs.sft import train_sft
 
             run = make_run(args, root / "sft")
             train_sft(run)
             align += alignment(run, f"SFT {args.sft_steps}")
-        delta = deltas(run, args.delta_steps) if args.delta_steps else []
     write(args, align, delta, time.time() - t0)
     return 0
 
