@@ -483,7 +483,8 @@ class TrainerConfig:
     # --- mixture of experts ---------------------------------------------------------------
     # Routing replay (MoE models, docs/scaling.md): the forwards of the policy gradient and
     # of the recomputed pi_old send every token to the experts the sampler's routers chose
-    # (recorded in the rollout batch's `routing` column) instead of re-routing it. Turn it
+    # (recorded by sampler.engine jax or static in the rollout batch's `routing` column)
+    # instead of re-routing it. Turn it
     # on when the sampler's numerics differ from the trainer's (bfloat16 sampling, another
     # engine): a token whose top-k flips between them runs through other experts, its
     # log-prob differs by far more than the rounding, and the importance ratio explodes
