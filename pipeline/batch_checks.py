@@ -20,7 +20,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.parquet_bytes import table_from_bytes
-from pipeline.rollouts import FULL_SCHEMA, KINDS, SCHEMA, RolloutBatch, batch_from_table
+from pipeline.rollouts import (
+    FULL_SCHEMA,
+    KINDS,
+    SCHEMA,
+    RolloutBatch,
+    batch_from_table,
+    routing_dtype,
+)
 from pipeline.tool_calls import ERROR_KINDS
 
 # A sampled token's log-probability is <= 0; allow rounding of a low-precision sampler.
@@ -46,6 +53,10 @@ class BatchLimits:
     policy_version: int
     reward_range: tuple[float, float]
     allow_empty: bool  # dynamic sampling may commit a batch without any group
+    # A MoE model's experts and layers x experts per token (the routing column's entries
+    # per token); 0, 0 for a dense model, whose batches carry no routing.
+    num_experts: int = 0
+    routing_width: int = 0
 
 
 def read_checked(data: bytes, limits: BatchLimits) -> RolloutBatch | None:
@@ -190,6 +201,37 @@ def _check_tokens(table: pa.Table, lim: BatchLimits) -> None:
         wrong = (mask != 0) & (mask != 1)
         if wrong.any():
             raise BadBatchError(f"row {mask_rows[_first(wrong)]}: loss_mask holds values not 0/1")
+    if "routing" in table.column_names:
+        _check_routing(table, lim, lengths_of["prompt_ids"] + completion_len)
+
+
+def _check_routing(table: pa.Table, lim: BatchLimits, tokens: np.ndarray) -> None:
+    """The routing column (`pipeline.rollouts`): a MoE model's, of its type, one entry per
+    token, layer and pick, each an expert id or the not-recorded mark E."""
+    if not lim.num_experts:
+        raise BadBatchError("has a routing column, but the model is dense (model.num_experts 0)")
+    want = pa.from_numpy_dtype(routing_dtype(lim.num_experts))
+    got = table.schema.field("routing").type
+    if not pa.types.is_list(got) or got.value_type != want:
+        raise BadBatchError(
+            f"column routing is {got}; expected a list of {want} for model.num_experts="
+            f"{lim.num_experts}"
+        )
+    values, rows, lengths = _lists(table, "routing")
+    wrong = lengths != tokens * lim.routing_width
+    if wrong.any():
+        row = _first(wrong)
+        raise BadBatchError(
+            f"row {row}: routing has {lengths[row]} entries for {tokens[row]} tokens; "
+            f"expected tokens x layers x k = {tokens[row] * lim.routing_width}"
+        )
+    wrong = values > lim.num_experts
+    if wrong.any():
+        at = _first(wrong)
+        raise BadBatchError(
+            f"row {rows[at]}: routing holds expert {values[at]}; allowed: "
+            f"0..{lim.num_experts - 1}, or {lim.num_experts} (not recorded)"
+        )
 
 
 def _check_values(table: pa.Table, lim: BatchLimits) -> None:

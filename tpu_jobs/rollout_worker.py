@@ -59,7 +59,7 @@ from pipeline.metrics import tool_use_stats
 from pipeline.paramserver import CorruptSnapshotError, SnapshotNotFoundError
 from pipeline.paramserver.adapters import PolicyReader
 from pipeline.problem_sets import check_representable
-from pipeline.rollouts import RolloutBatch, required_version, to_parquet_bytes
+from pipeline.rollouts import RolloutBatch, required_version, routing_dtype, to_parquet_bytes
 from pipeline.run import DONE_KEY, Run, base_server, weights_server
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks.judge import judge_context, judge_reward
@@ -310,6 +310,8 @@ class RolloutWorker:
                 [e for s in every for e in s.tool_errors],
             )
         cols: dict[str, list[Any]] = {k: [] for k in ("pos", "prob", "pr", "co", "tx", "lp", "rw")}
+        # Routing replay: the solve rows' recorded experts, flattened (pipeline.rollouts).
+        routing: list[np.ndarray] | None = [] if self.records_routing(parts) else None
         fin: list[bool] = []
         masks: list[list[int] | None] = []
         ep_cols: dict[str, list[Any]] = {"turns": [], "tool_calls": [], "tool_errors": []}
@@ -325,6 +327,8 @@ class RolloutWorker:
                 cols["lp"] += [r["logps"][i] for i in rows]
                 cols["rw"] += [float(r["rewards"][i]) for i in rows]
                 fin += [bool(r["finished"][i]) for i in rows]
+                if routing is not None:
+                    routing += [scored.routing[i].reshape(-1) for i in rows]
                 masks += [scored.loss_masks[i] if episodes else None for i in rows]
                 for name in ep_cols:
                     ep_cols[name] += [getattr(scored, name)[i] for i in rows] if episodes else []
@@ -337,6 +341,11 @@ class RolloutWorker:
             fin += judge["fin"]
             kind += ["judge"] * len(judge["fin"])
             masks += judge["mask"]
+            if routing is not None:  # not recorded: the trainer routes judge rows itself
+                routing += [
+                    self._unrecorded(pr, co)
+                    for pr, co in zip(judge["pr"], judge["co"], strict=True)
+                ]
             self.last_stats["judge_groups"] = n_judge
             self.last_stats["judge_reward_mean"] = float(np.mean(judge["rw"]))
         return RolloutBatch(
@@ -356,7 +365,21 @@ class RolloutWorker:
             kind=kind if n_judge else None,
             loss_mask=masks if n_judge or episodes else None,
             **({name: values for name, values in ep_cols.items()} if episodes else {}),
+            routing=routing,
         )
+
+    def records_routing(self, parts: list[tuple[dict[str, Any], np.ndarray]]) -> bool:
+        """Whether the batch carries the sampler's routing (`trainer.routing_replay` on a
+        MoE model whose sampler recorded it for every round)."""
+        return self.cfg.trainer.routing_replay and all(
+            r["scored"].routing is not None for r, _ in parts
+        )
+
+    def _unrecorded(self, prompt: list[int], completion: list[int]) -> np.ndarray:
+        """A row's routing record with nothing recorded (every entry the mark E)."""
+        m = self.cfg.model
+        size = (len(prompt) + len(completion)) * m.num_layers * m.num_experts_per_tok
+        return np.full(size, m.num_experts, routing_dtype(m.num_experts))
 
     def run_forever(self) -> int:
         tc = self.cfg.trainer

@@ -300,6 +300,8 @@ class Trainer:
             policy_version=required_version(state.next_batch, tc.publish_every, tc.max_staleness),
             reward_range=(lo, hi),
             allow_empty=tc.uses_dynamic_sampling(),
+            num_experts=cfg.model.num_experts,
+            routing_width=cfg.model.num_layers * cfg.model.num_experts_per_tok,
         )
 
     def _heal(self, state: TrainerState) -> None:

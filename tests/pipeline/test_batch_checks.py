@@ -4,6 +4,7 @@ message naming the column and row; a good batch passes unchanged."""
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -195,3 +196,60 @@ def test_a_planted_bad_episode_value_is_refused_naming_its_row(case):
     data = with_column(to_parquet_bytes(episode_batch()), column, values)
     with pytest.raises(BadBatchError, match=message):
         read_checked(data, LIMITS)
+
+
+# --------------------------------------------------------------------------- routing replay
+
+LAYERS, K, EXPERTS = 2, 2, 4
+MOE_LIMITS = replace(LIMITS, num_experts=EXPERTS, routing_width=LAYERS * K)
+
+
+def routing_batch() -> RolloutBatch:
+    """good_batch with a routing record per row: token t, layer l, pick j -> (t + l + j) % E,
+    the last token not recorded (E)."""
+    batch = good_batch()
+    rows = []
+    for prompt, completion in zip(batch.prompt_ids, batch.completion_ids, strict=True):
+        t = np.arange(len(prompt) + len(completion))[:, None, None]
+        r = (t + np.arange(LAYERS)[:, None] + np.arange(K)) % EXPERTS
+        r[-1] = EXPERTS
+        rows.append(r.astype(np.uint8).reshape(-1))
+    batch.routing = rows
+    return batch
+
+
+def test_a_routing_batch_round_trips_in_uint8_and_a_dense_batch_has_no_routing_column():
+    batch = routing_batch()
+    data = to_parquet_bytes(batch)
+    assert table_from_bytes(data).schema.field("routing").type == pa.list_(pa.uint8())
+    back = read_checked(data, MOE_LIMITS)
+    for want, got in zip(batch.routing, back.routing, strict=True):
+        assert got.dtype == np.uint8 and np.array_equal(got, want)
+    dense = to_parquet_bytes(good_batch())
+    assert "routing" not in table_from_bytes(dense).column_names
+    assert read_checked(dense, LIMITS).routing is None
+    # The column costs about a byte per (token, layer, pick) before compression.
+    assert len(data) - len(dense) < 2 * sum(r.size for r in batch.routing) + 1024
+
+
+def test_bad_routing_is_refused_naming_its_row():
+    batch = routing_batch()
+    with pytest.raises(BadBatchError, match="has a routing column, but the model is dense"):
+        read_checked(to_parquet_bytes(batch), LIMITS)
+    short = routing_batch()
+    short.routing[2] = short.routing[2][:-1]
+    with pytest.raises(ValueError, match="row 2: routing has 19 entries for 5 tokens"):
+        to_parquet_bytes(short)  # the writer refuses what is not tokens x layers x k
+    wide = routing_batch()
+    wide.routing[1] = np.concatenate([wide.routing[1]] * 2)  # 12 tokens' worth for 6
+    with pytest.raises(BadBatchError, match="row 1: routing has 48 entries for 6 tokens"):
+        read_checked(to_parquet_bytes(wide), MOE_LIMITS)
+    high = routing_batch()
+    high.routing[3] = high.routing[3].copy()
+    high.routing[3][5] = EXPERTS + 1
+    with pytest.raises(BadBatchError, match=r"row 3: routing holds expert 5; allowed: 0..3, or 4"):
+        read_checked(to_parquet_bytes(high), MOE_LIMITS)
+    with pytest.raises(
+        BadBatchError, match="column routing is list<.*uint8>; expected a list of uint16"
+    ):
+        read_checked(to_parquet_bytes(batch), replace(MOE_LIMITS, num_experts=300))

@@ -578,6 +578,7 @@ def test_environment_section_names_the_known_environments_and_fits_the_model():
 NEW_KEYS = (
     "lora",
     "trainer.judge_loss_weight",
+    "trainer.routing_replay",
     *(
         f"model.{name}"
         for name in (

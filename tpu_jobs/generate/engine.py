@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 from pipeline.config import ModelConfig
+from pipeline.rollouts import routing_dtype
 from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
 from tpu_jobs.generate.kv_pages import (
     PAGED_ATTENTION,
@@ -117,6 +118,10 @@ class Completion:
     logprobs: list[float]
     stop_reason: str
     handle: int | None = None
+    # MoE models: [history tokens - 1, layers, k], the experts of every token the engine
+    # fed (the request's whole history: prompt, earlier turns, these tokens but the last);
+    # None for dense models.
+    routing: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -145,6 +150,9 @@ class _Seq:
     group: _Group | None = None
     logits: jax.Array | None = None  # [V] after its prefill, until its first token
     handle: int | None = None  # while parked
+    # MoE models: the experts [layers, k] the routers chose for each history token fed so
+    # far (all but the last sampled one), for routing replay; empty for dense models.
+    routing: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -156,6 +164,7 @@ class _Group:
     members: deque
     pages: list[int] = field(default_factory=list)
     logits: jax.Array | None = None  # [V] at the prompt's last position
+    routing: list[np.ndarray] = field(default_factory=list)  # the prompt's (MoE), as _Seq's
 
 
 def _key_data(key: jax.Array | np.ndarray) -> np.ndarray:
@@ -209,10 +218,11 @@ def paged_hidden(
     table: jax.Array,
     dtype: str,
     attention: str = "gather",
-) -> tuple[jax.Array, PagedKV]:
+) -> tuple[jax.Array, PagedKV, jax.Array | None]:
     """The model's final hidden states [B, T, H] of `tokens` [B, T] at `positions`, each
     row attending over its pages (`table` [B, P]); the tokens' keys/values are written
-    to their pages, invalid ones (`valid` False) to the trash page."""
+    to their pages, invalid ones (`valid` False) to the trash page; and the experts
+    [layers, B, T, k] the MoE routers chose (None for a dense model)."""
     size = pages.page_size
     rows = jnp.arange(tokens.shape[0])[:, None]
     page_index = jnp.minimum(positions // size, table.shape[1] - 1)
@@ -228,27 +238,34 @@ def paged_hidden(
     )
 
 
-def _layers(model, tokens, positions, kv: PagedKV, view, dtype) -> tuple[jax.Array, PagedKV]:
+def _layers(model, tokens, positions, kv: PagedKV, view, dtype):
     """The model's layers over tokens [B, T], each attending through `view(k, v)` of its
-    layer's keys/values in `kv` (tpu_jobs.generate.kv_pages); (final hidden states, new kv)."""
+    layer's keys/values in `kv` (tpu_jobs.generate.kv_pages); (final hidden states, new
+    kv, the MoE routers' experts [layers, B, T, k] or None for a dense model)."""
     x = model.embed_tokens(tokens).astype(DTYPES[dtype])
     cos, sin = rope_tables(positions, model.cfg.head_dim, model.cfg.rope_theta)
     ks, vs = list(kv.k), list(kv.v)
+    experts = []
     for i, layer in enumerate(model.layers):
-        x, (ks[i], vs[i]) = layer(x, cos, sin, None, view(ks[i], vs[i]))
-    return model.norm(x), PagedKV(k=tuple(ks), v=tuple(vs))
+        x, (ks[i], vs[i]), router = layer.forward(x, cos, sin, None, view(ks[i], vs[i]))
+        experts.append(None if router is None else router.experts)
+    routing = jnp.stack(experts) if model.cfg.moe else None
+    return model.norm(x), PagedKV(k=tuple(ks), v=tuple(vs)), routing
 
 
 def _extend(graphdef, state, pages, tokens, start, count, table, *, dtype, attention):
     """Feed tokens [B, T] (row b: its first count[b], at positions start[b]..) and return
-    (float32 logits [B, V] at each row's last fed token, pages)."""
+    (float32 logits [B, V] at each row's last fed token, pages, the fed tokens' experts
+    [layers, B, T, k] or None)."""
     model = nnx.merge(graphdef, state)
     offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32)
     positions = start[:, None] + offsets[None]
     valid = offsets[None] < count[:, None]
-    hidden, pages = paged_hidden(model, tokens, positions, valid, pages, table, dtype, attention)
+    hidden, pages, routing = paged_hidden(
+        model, tokens, positions, valid, pages, table, dtype, attention
+    )
     last = jnp.maximum(count - 1, 0)[:, None, None]
-    return model.logits(jnp.take_along_axis(hidden, last, axis=1)[:, 0]), pages
+    return model.logits(jnp.take_along_axis(hidden, last, axis=1)[:, 0]), pages, routing
 
 
 def _admit(pages, src, dst, logits, keys, steps, temperature, top_k, top_p, **flags):
@@ -284,7 +301,8 @@ def _decode(
 ):
     """`n_steps` decode steps of rows [R]: feed token (at pos), sample the next with
     sample index `step`, while the row is live (left > 0, no EOS yet). Returns (tokens,
-    log-probs, emitted flags, each [R, n_steps], pages)."""
+    log-probs, emitted flags, each [R, n_steps], pages, the fed tokens' experts
+    [n_steps, layers, R, k] or None for a dense model)."""
     model = nnx.merge(graphdef, state)
     vocab = model.cfg.vocab_size
     sample = functools.partial(
@@ -307,7 +325,7 @@ def _decode(
 
     def body(carry, c):
         rows, token, pos, step, left, live = carry
-        hidden, rows = _layers(
+        hidden, rows, routing = _layers(
             model,
             token[:, None],
             pos[:, None],
@@ -322,13 +340,14 @@ def _decode(
         inc = live.astype(jnp.int32)
         left = left - inc
         carry = (rows, jnp.where(live, new, token), pos + inc, step + inc, left)
-        return (*carry, live & (new != eos_id) & (left > 0)), (new, logp, live)
+        fed = None if routing is None else routing[:, :, 0]
+        return (*carry, live & (new != eos_id) & (left > 0)), (new, logp, live, fed)
 
     init = (gather_rows(pages, table), token, pos, step, left, left > 0)
-    carry, (tokens, logps, emitted) = jax.lax.scan(body, init, jnp.arange(n_steps))
+    carry, (tokens, logps, emitted, routing) = jax.lax.scan(body, init, jnp.arange(n_steps))
     written = start[:, None] + jnp.arange(n_steps, dtype=jnp.int32)[None]  # fed at step c
     pages = scatter_rows(pages, carry[0], table, written, emitted.T)
-    return tokens.T, logps.T, emitted.T, pages
+    return tokens.T, logps.T, emitted.T, pages, routing
 
 
 # --------------------------------------------------------------------------- engine
@@ -524,7 +543,16 @@ class Engine:
             logprobs=logprobs,
             lengths=np.asarray([len(c.tokens) for c in done], np.int32),
             finished=np.asarray([c.stop_reason == "eos" for c in done], np.bool_),
+            routing=None if done[0].routing is None else [self._record(c) for c in done],
         )
+
+    def _record(self, c: Completion) -> np.ndarray:
+        """A completion's routing record (`SampleResult.routing`): its fed tokens' experts
+        and the not-recorded mark E for the last token, which was never fed."""
+        e = self.cfg.num_experts
+        dtype = routing_dtype(e)
+        last = np.full((1, *c.routing.shape[1:]), e, dtype)
+        return np.concatenate([c.routing.astype(dtype), last])
 
     # ----------------------------------------------------------------- requests -> rows
 
@@ -656,8 +684,12 @@ class Engine:
             raise
         self.stats["peak_pages"] = self.pool.peak_in_use
         out = [None] * len(seqs)
+        shape = (self.cfg.num_layers, self.cfg.num_experts_per_tok)
         for seq in seqs:
-            out[seq.index] = Completion(seq.out, seq.logps, seq.reason, seq.handle)
+            routing = None
+            if self.cfg.moe:
+                routing = np.asarray(seq.routing, np.int32).reshape(-1, *shape)
+            out[seq.index] = Completion(seq.out, seq.logps, seq.reason, seq.handle, routing)
         return out
 
     def _abandon(self, queue, admitted) -> None:
@@ -773,11 +805,15 @@ class Engine:
         fn = self._program(
             _extend, 1, run["graphdef"], dtype=run["dtype"], attention=self.attention
         )
-        logits, self.pages = fn(
+        logits, self.pages, routing = fn(
             run["state"], self.pages, *map(self._put, (tokens, start, count, table))
         )
-        for r, (unit, tok, _, _) in enumerate(rows):
+        if routing is not None:  # [B, T, layers, k] on the host
+            routing = np.moveaxis(jax.device_get(routing), 0, 2)
+        for r, (unit, tok, s, _) in enumerate(rows):
             unit.logits = logits[r]
+            if routing is not None:  # the fed tokens' experts replace any from before
+                unit.routing = unit.routing[:s] + list(routing[r, : len(tok)])
             self.stats["prefill_rows"] += 1
             self.stats["prefill_tokens"] += len(tok)
 
@@ -815,6 +851,8 @@ class Engine:
         token, logp = jax.device_get((token, logp))
         for r, seq in enumerate(seqs):
             seq.cached = len(seq.history)
+            if seq.group is not None:  # a group's member: its prompt's routing
+                seq.routing = list(seq.group.routing)
             seq.group = None
             self._emit(seq, [int(token[r])], [float(logp[r])])
         for seq, _ in entering:  # a prefilled request no longer needs its logits
@@ -904,7 +942,7 @@ class Engine:
                 pad_id=self.pad_id,
                 **run["flags"],
             )
-            tokens, logps, emitted, self.pages = fn(
+            tokens, logps, emitted, self.pages, routing = fn(
                 run["state"],
                 self.pages,
                 *map(self._put, (token, pos, step)),
@@ -912,11 +950,13 @@ class Engine:
                 *map(self._put, (left, table)),
                 *run["sampling"],
             )
-            tokens, logps, emitted = jax.device_get((tokens, logps, emitted))
+            tokens, logps, emitted, routing = jax.device_get((tokens, logps, emitted, routing))
             self.stats["chunks"] += 1
             self.stats["decode_row_steps"] += r * self.chunk
             for i, s in enumerate(live):
                 n = int(emitted[i].sum())
+                if routing is not None:  # the n tokens it fed: history[-1], then all but one
+                    s.routing += list(routing[:n, :, i])
                 self._emit(s, tokens[i, :n].tolist(), logps[i, :n].tolist())
                 s.cached = len(s.history) - 1
         for i, s in enumerate(slots):

@@ -66,12 +66,18 @@ class SamplingParams:
 @dataclass
 class SampleResult:
     """tokens: [B, max_new] int32, PAD after EOS; logprobs: [B, max_new] float32, 0 after
-    EOS; lengths: [B] generated tokens including the EOS if any; finished: [B] EOS emitted."""
+    EOS; lengths: [B] generated tokens including the EOS if any; finished: [B] EOS emitted.
+
+    routing (MoE models, samplers that record it; else None): per row, the experts its
+    routers chose for each prompt and generated token, [prompt + lengths[r], layers, k] in
+    `pipeline.rollouts.routing_dtype(E)`, E (not recorded) on a token the sampler never
+    ran (the last generated one): what the rollout batch's `routing` column carries."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     lengths: np.ndarray
     finished: np.ndarray
+    routing: list[np.ndarray] | None = None
 
 
 @runtime_checkable

@@ -61,6 +61,9 @@ class Scored:
     generate_s: float | None = None  # seconds in the engine (tool episodes)
     tool_s: float | None = None  # seconds the environment's tools ran
     tool_wait_s: float | None = None  # the part of tool_s decoding did not hide
+    # Routing replay: per row, the sampler's recorded experts of prompt + completion
+    # (`SampleResult.routing`); None when the sampler records none (dense models).
+    routing: list[np.ndarray] | None = None
 
 
 def verify_rows(problems: Sequence[Problem], texts: Sequence[str]) -> list[float]:
@@ -110,6 +113,7 @@ def sample_and_verify(
     logps: list[list[float]] = []
     lengths: list[int] = []
     finished: list[bool] = []
+    routing: list[np.ndarray] | None = []
     pending: list[Future[tuple[list[float], float]]] = []
     verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
     try:
@@ -130,6 +134,8 @@ def sample_and_verify(
                 logps.append(out.logprobs[r, :n].tolist())
                 lengths.append(n)
                 finished.append(bool(out.finished[r]))
+            # Every call of one sampler records or none does (a MoE model's static sampler).
+            routing = None if out.routing is None or routing is None else routing + out.routing
             texts.extend(chunk_texts)
             pending.append(verifier.submit(_timed_verify, chunk, chunk_texts))
             if on_batch is not None:
@@ -149,4 +155,5 @@ def sample_and_verify(
         finished=np.asarray(finished, bool),
         verify_s=sum(seconds for _, seconds in results),
         verify_wait_s=waited,
+        routing=routing or None,
     )

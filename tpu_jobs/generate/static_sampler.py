@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from pipeline.config import ModelConfig
+from pipeline.rollouts import routing_dtype
 from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS, DecodeLayout, default_layout
 from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
 from tpu_jobs.generate.token_draw import NOISE_BUDGET, as_keys, sample_step, step_noise
@@ -61,6 +62,26 @@ def prefill(
     sampler's memory)."""
     hidden, cache = model.hidden(tokens, positions_from_mask(mask), mask, cache, 0, dtype=dtype)
     return model.logits(hidden[:, -1]), cache
+
+
+def record_routing(
+    routing: jax.Array, experts: jax.Array, fed: jax.Array, at: jax.Array | int, num_experts: int
+) -> jax.Array:
+    """`routing` [B, slots, layers, k] with the experts [layers, B, T, k] the routers chose
+    for the T tokens fed at slots at..at+T-1 written in, where `fed` [B, T] is true; the
+    other tokens get the not-recorded mark E (`pipeline.rollouts.routing_dtype`)."""
+    rows = jnp.where(fed[:, :, None, None], jnp.moveaxis(experts, 0, 2), num_experts)
+    return jax.lax.dynamic_update_slice(routing, rows.astype(routing.dtype), (0, at, 0, 0))
+
+
+def _moe_step(model, weights, token, pos, cache, slot, dtype):
+    """A MoE model's decode step (the token_major layout's, which is MoE's): (logits
+    [B, V], cache, the experts of the fed tokens [layers, B, 1, k])."""
+    ones = jnp.ones_like(token)[:, None]
+    hidden, cache, router = model.cached_hidden_and_router(
+        token[:, None], pos[:, None], ones, cache, slot, dtype=dtype
+    )
+    return model.logits(hidden[:, 0]), cache, router.experts
 
 
 def _prepare(graphdef: nnx.GraphDef, state: nnx.State, *, layout: DecodeLayout, dtype: str):
@@ -93,7 +114,9 @@ def _generate(
     eos_id: int,
     pad_id: int,
 ):
-    """Prefill + while_loop decode. Returns (tokens, logprobs, lengths, finished, cache)."""
+    """Prefill + while_loop decode. Returns (tokens, logprobs, lengths, finished, cache,
+    routing): for a MoE model routing [B, P + n_new, layers, k] holds the experts of every
+    fed token (prompt, then each generated token but the last; E elsewhere), else None."""
     # Cast the weights once, outside the loop, so the body does not re-cast every step.
     model = nnx.merge(graphdef, cast_state(state, dtype))
     b, p = tokens.shape
@@ -108,7 +131,18 @@ def _generate(
 
     # The cache buffer is reused between calls: stale keys are hidden by a fresh mask.
     cache = KVCache(k=cache.k, v=cache.v, mask=jnp.zeros_like(cache.mask))
-    logits, cache = prefill(model, tokens, mask, cache, dtype)
+    moe = model.cfg.moe
+    routing = None
+    if moe:  # routing replay: record the routers' choices of every token fed
+        e, shape = model.cfg.num_experts, (model.cfg.num_layers, model.cfg.num_experts_per_tok)
+        hidden, cache, router = model.cached_hidden_and_router(
+            tokens, positions_from_mask(mask), mask, cache, 0, dtype=dtype
+        )
+        logits = model.logits(hidden[:, -1])
+        routing = jnp.full((b, p + n_new, *shape), e, routing_dtype(e))
+        routing = record_routing(routing, router.experts, mask > 0, 0, e)
+    else:
+        logits, cache = prefill(model, tokens, mask, cache, dtype)
     vocab = logits.shape[-1]
     noise_all = None
     if b * n_new * vocab <= NOISE_BUDGET:
@@ -131,13 +165,19 @@ def _generate(
     pos = jnp.sum(mask, axis=-1).astype(jnp.int32)  # position of `token`
 
     def cond(carry):
-        step, *_, done, _ = carry
+        step, *_, done, _, _ = carry
         return (step < max_new) & ~jnp.all(done)
 
     def body(carry):
-        step, cache, token, pos, out_tok, out_lp, done, lengths = carry
+        step, cache, token, pos, out_tok, out_lp, done, lengths, routing = carry
         # Feed the previous token (slot p + step - 1), then sample this step's token.
-        logits, cache = layout.step(model, weights, token, pos, cache, p + step - 1, dtype)
+        if moe:
+            logits, cache, experts = _moe_step(
+                model, weights, token, pos, cache, p + step - 1, dtype
+            )
+            routing = record_routing(routing, experts, ~done[:, None], p + step - 1, e)
+        else:
+            logits, cache = layout.step(model, weights, token, pos, cache, p + step - 1, dtype)
         new, logp = sample(logits, keys, step, noise=noise_at(step))
         new = jnp.where(done, pad_id, new)
         logp = jnp.where(done, 0.0, logp)
@@ -145,11 +185,11 @@ def _generate(
         out_lp = jax.lax.dynamic_update_slice(out_lp, logp[:, None], (0, step))
         lengths = lengths + (~done).astype(jnp.int32)
         done = done | (new == eos_id)
-        return step + 1, cache, new, pos + 1, out_tok, out_lp, done, lengths
+        return step + 1, cache, new, pos + 1, out_tok, out_lp, done, lengths, routing
 
-    carry = (jnp.int32(1), cache, token, pos, out_tok, out_lp, done, lengths)
-    _, cache, _, _, out_tok, out_lp, done, lengths = jax.lax.while_loop(cond, body, carry)
-    return out_tok, out_lp, lengths, done, cache
+    carry = (jnp.int32(1), cache, token, pos, out_tok, out_lp, done, lengths, routing)
+    _, cache, _, _, out_tok, out_lp, done, lengths, routing = jax.lax.while_loop(cond, body, carry)
+    return out_tok, out_lp, lengths, done, cache, routing
 
 
 class StaticSampler:
@@ -345,8 +385,10 @@ class StaticSampler:
             joined = {
                 f.name: np.concatenate([getattr(r, f.name) for r in parts])
                 for f in fields(SampleResult)
+                if f.name != "routing"
             }
-            return SampleResult(**joined)
+            routing = None if parts[0].routing is None else [x for r in parts for x in r.routing]
+            return SampleResult(**joined, routing=routing)
         graphdef, state, given = self._split(model)
 
         bb = bucket(n, self.batch_buckets)
@@ -390,13 +432,19 @@ class StaticSampler:
             compiled = self.program(graphdef, nb, dtype, use_top_k, use_top_p)
             compiled = compiled.lower(*args).compile()
             self._compiled[key] = compiled
-        out_tok, out_lp, lengths, done, cache = compiled(*args)
+        out_tok, out_lp, lengths, done, cache, routing = compiled(*args)
         self._caches[cache_key] = cache
         to_host = jax.device_get if self.mesh is None else meshlib.to_host
-        out_tok, out_lp, lengths, done = to_host((out_tok, out_lp, lengths, done))
+        out_tok, out_lp, lengths, done, routing = to_host((out_tok, out_lp, lengths, done, routing))
+        if routing is not None:  # each row's prompt and generated tokens (left padding off)
+            routing = [
+                np.asarray(routing[i, pb - len(prompt) : pb + int(lengths[i])])
+                for i, prompt in enumerate(prompts)
+            ]
         return SampleResult(
             tokens=np.asarray(out_tok[:n, :max_new_tokens], np.int32),
             logprobs=np.asarray(out_lp[:n, :max_new_tokens], np.float32),
             lengths=np.asarray(lengths[:n], np.int32),
             finished=np.asarray(done[:n], np.bool_),
+            routing=routing,
         )

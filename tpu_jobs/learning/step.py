@@ -73,7 +73,7 @@ from tpu_jobs.learning.value_head import (
     policy_forward_and_router,
 )
 from tpu_jobs.model import mesh as meshlib
-from tpu_jobs.model.batching import pack_rows, pad_values
+from tpu_jobs.model.batching import pack_routing, pack_rows, pad_values
 from tpu_jobs.model.judge import judged_completion_len
 from tpu_jobs.model.moe import router_loss
 from tpu_jobs.model.state import (
@@ -102,6 +102,9 @@ class StepInputs(NamedTuple):
     # [R] float32 loss weights (trainer.judge_loss_weight on judge rows), or None: every
     # row weighs 1 and the programs are those of a run without the weight.
     row_weight: Any = None
+    # [R, P + C, layers, k] int32, the sampler's recorded experts to replay (MoE,
+    # trainer.routing_replay; `pack_routing`), or None: the trainer's routers choose.
+    routing: Any = None
 
 
 def _arrays(inp: StepInputs, convert: Callable[[Any], Any]) -> StepInputs:
@@ -188,7 +191,9 @@ class ModelPrograms:
             )
             return router_weight * loss, metrics
 
-        def outputs(params, tokens, mask, packing=None, frozen=None, dropout_key=None):
+        def outputs(
+            params, tokens, mask, packing=None, frozen=None, dropout_key=None, routing=None
+        ):
             if packing is not None:
                 out, router = packed_policy_forward_and_router(
                     fns.merge(params["policy"], frozen, dropout_key),
@@ -209,16 +214,20 @@ class ModelPrograms:
                     params.get("value"),
                     entropy=entropy,
                     first=p,
+                    routing=routing,
                 )
                 return out.logp, out.entropy, out.values, router_part(router, mask)
             model = fns.merge(params["policy"], frozen, dropout_key)
             logp = sequence_logprobs(model, tokens, mask, temperature, first=p)
             return logp, None, None, None
 
-        def forward_vjp(params, tokens, mask, packing=None, frozen=None, dropout_key=None):
+        def forward_vjp(
+            params, tokens, mask, packing=None, frozen=None, dropout_key=None, routing=None
+        ):
             # Differentiated w.r.t. params only: the frozen base gets no gradient buffers.
             return jax.vjp(
-                lambda prm: outputs(prm, tokens, mask, packing, frozen, dropout_key), params
+                lambda prm: outputs(prm, tokens, mask, packing, frozen, dropout_key, routing),
+                params,
             )
 
         def ref_logp(ref_params, tokens, mask, packing=None):
@@ -546,7 +555,7 @@ class Learner:
                 logp_ref = ref_outputs(ref_params, inp.tokens, inp.mask, packing)
 
             def f(prm):
-                outs = outputs(prm, inp.tokens, inp.mask, packing, frozen, dropout_key)
+                outs = outputs(prm, inp.tokens, inp.mask, packing, frozen, dropout_key, inp.routing)
                 return loss(outs, inp, None, logp_ref, None)
 
             (value, metrics), grads = jax.value_and_grad(f, has_aux=True)(params)
@@ -594,7 +603,9 @@ class Learner:
         return self._place_batch(Packing(*(jnp.asarray(x) for x in packing)))
 
     def _grads(self, params, inp: StepInputs, pre: Prepared | None, logp_ref, norm, packing, fixed):
-        outs, vjp_fn = self.programs.forward_vjp(params, inp.tokens, inp.mask, packing, *fixed)
+        outs, vjp_fn = self.programs.forward_vjp(
+            params, inp.tokens, inp.mask, packing, *fixed, inp.routing
+        )
         metrics, cot = self._grad_head(outs, inp, pre, logp_ref, norm)
         return self.programs.backward(vjp_fn, cot), metrics
 
@@ -653,7 +664,7 @@ class Learner:
             params, opt_state, metrics["grad_norm"], finite = self._apply(params, opt_state, grads)
             metrics["nonfinite_updates"] = 1.0 - finite.astype(jnp.float32)
             return params, opt_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
-        outs = self.programs.forward(params, inp.tokens, inp.mask, packing, *fixed)
+        outs = self.programs.forward(params, inp.tokens, inp.mask, packing, *fixed, inp.routing)
         pre, pre_metrics = self._prepare(outs, inp, logp_ref)
         tc = self.cfg.trainer
         # Each micro-batch is packed once per step (its rows are the same every epoch).
@@ -727,4 +738,15 @@ class Learner:
         if self.judge_loss_weight is not None:
             row_weight = np.ones(self.rows, np.float32)
             row_weight[:n][batch.is_judge()] = self.judge_loss_weight
-        return StepInputs(tokens, mask, comp_mask, logp_b, rewards, row_weight)
+        routing = None
+        if self.cfg.trainer.routing_replay:  # a batch without the column: nothing recorded
+            m = self.cfg.model
+            routing = pack_routing(
+                list(batch.routing or [None] * n) + [None] * pad,
+                [len(p) for p in prompts],
+                self.prompt_len,
+                self.completion_len,
+                (m.num_layers, m.num_experts_per_tok),
+                m.num_experts,
+            )
+        return StepInputs(tokens, mask, comp_mask, logp_b, rewards, row_weight, routing)

@@ -90,15 +90,21 @@ def policy_forward_and_router(
     *,
     entropy: bool = False,
     first: int = 0,
+    routing: jax.Array | None = None,
 ) -> tuple[PolicyOutputs, RouterOutputs | None]:
     """One trunk pass giving log-probs (as `sequence_logprobs`), optionally the entropy of
     pi(. | prefix) and the values, each [B, T - first] (columns first..), and what the MoE
     routers decided (`Transformer.hidden_and_router`; None for a dense model). The LM head
     runs in chunks of `cfg.logits_chunk` tokens (`tpu_jobs.model.lm_head`). Jit-able and
-    differentiable."""
+    differentiable. `routing` [B, T, layers, k] (MoE; `tpu_jobs.model.batching.pack_routing`):
+    the recorded experts to replay, the mark E where the routers choose."""
     tokens = jnp.asarray(tokens)
     mask = jnp.asarray(mask).astype(jnp.int32)
-    hidden, router = model.hidden_and_router(tokens, positions_from_mask(mask), mask)
+    if routing is not None:  # row-major as the batch holds it; the model's is layer-major
+        routing = jnp.moveaxis(jnp.asarray(routing), 2, 0)
+    hidden, router = model.hidden_and_router(
+        tokens, positions_from_mask(mask), mask, routing=routing
+    )
     logp, ent = token_logprobs_of(
         model, tokens, mask, temperature, first=first, entropy=entropy, hidden=hidden
     )

@@ -76,6 +76,29 @@ def pack_rows(
     return tokens, mask, comp_mask
 
 
+def pack_routing(
+    routing: Sequence[np.ndarray | None],
+    prompt_lens: Sequence[int],
+    prompt_len: int,
+    completion_len: int,
+    shape: tuple[int, int],
+    num_experts: int,
+) -> np.ndarray:
+    """Recorded routing laid out like `pack_rows`' tokens: [B, P+C, layers, k] int32.
+
+    `routing[i]`: row i's record (`pipeline.rollouts`: [prompt + completion tokens,
+    layers, k] flattened; None: not recorded), `prompt_lens[i]` its prompt's tokens,
+    `shape` (layers, k). Pads and unrecorded tokens hold the mark E (`num_experts`): the
+    trainer's routers choose there."""
+    out = np.full((len(routing), prompt_len + completion_len, *shape), num_experts, np.int32)
+    for i, (r, p) in enumerate(zip(routing, prompt_lens, strict=True)):
+        if r is None:
+            continue
+        rows = np.asarray(r).reshape(-1, *shape)
+        out[i, prompt_len - p : prompt_len - p + len(rows)] = rows
+    return out
+
+
 def pad_values(rows: Sequence[Sequence[float]], length: int) -> np.ndarray:
     out = np.zeros((len(rows), length), np.float32)
     for i, r in enumerate(rows):

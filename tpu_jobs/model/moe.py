@@ -46,11 +46,18 @@ def route(
 
     The top-k of softmax(logits) (ties to the lower index, as `jax.lax.top_k`), or the
     given `experts` (routing replay); the weights are the softmax probabilities of the
-    chosen experts, divided by their sum when `norm_topk_prob` (Qwen3-MoE)."""
+    chosen experts, divided by their sum when `norm_topk_prob` (Qwen3-MoE).
+
+    A token whose given experts are not all < E (the not-recorded mark,
+    `pipeline.rollouts.routing_dtype`:
+    the sampler never ran it, as a completion's last token, or its row was made without
+    recording) takes the router's own top-k, so a partly recorded batch replays what was recorded and routes the rest."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    if experts is None:
-        _, experts = jax.lax.top_k(probs, k)
-    experts = experts.astype(jnp.int32)
+    _, own = jax.lax.top_k(probs, k)
+    if experts is not None:
+        recorded = jnp.all(experts < logits.shape[-1], axis=-1, keepdims=True)
+        own = jnp.where(recorded, experts.astype(jnp.int32), own)
+    experts = own.astype(jnp.int32)
     weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)

@@ -688,6 +688,21 @@ class Transformer(nnx.Module):
         x, _, router = self._layers(tokens, positions, mask, None, None, dtype, segments, routing)
         return x, router
 
+    def cached_hidden_and_router(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        cache: KVCache,
+        cache_index: jax.Array | int,
+        *,
+        dtype: str | None = None,
+    ) -> tuple[jax.Array, KVCache, RouterOutputs | None]:
+        """`hidden` with a cache (the samplers' prefill and decode steps) and what the MoE
+        routers decided for the fed tokens (None for a dense model): what the samplers
+        record for routing replay (`RouterOutputs.experts` [layers, B, T, k])."""
+        return self._layers(tokens, positions, mask, cache, cache_index, dtype, None, None)
+
     def _layers(self, tokens, positions, mask, cache, cache_index, dtype, segments, routing):
         """(`hidden`'s two results, the routers' outputs stacked over layers or None):
         `hidden`'s arguments and `hidden_and_router`'s `routing`."""
