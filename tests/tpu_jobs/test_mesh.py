@@ -22,7 +22,7 @@ from tests.runs import xla_flags_with_devices
 from tpu_jobs.model import mesh as M
 
 ROOT = Path(__file__).resolve().parents[2]
-MESH8 = AbstractMesh((2, 2, 2), M.AXES)
+MESH8 = AbstractMesh((2, 2, 2, 1), M.AXES)
 
 
 def test_rules_give_megatron_fsdp_specs():
@@ -54,13 +54,15 @@ def test_learner_rejects_batches_the_mesh_cannot_split():
     from tpu_jobs.learning.step import Learner
 
     cfg = tiny_config("rollout.prompts_per_batch=3", "rollout.group_size=2")  # 6 rows
-    with pytest.raises(ValueError, match=r"data x fsdp = 8 .* 6 rows .* a multiple of 8 rows"):
-        Learner(cfg, 16, mesh=AbstractMesh((4, 2, 1), M.AXES))
+    with pytest.raises(
+        ValueError, match=r"data x fsdp x expert = 8 .* 6 rows .* a multiple of 8 rows"
+    ):
+        Learner(cfg, 16, mesh=AbstractMesh((4, 2, 1, 1), M.AXES))
 
 
 def test_mesh_shapes_and_errors():
-    assert M.resolve_shape((-1, 2, 2), 8) == (2, 2, 2)
-    assert M.resolve_shape((1, 1, 1), 8) == (1, 1, 1)
+    assert M.resolve_shape((-1, 2, 2), 8) == (2, 2, 2, 1)  # 3 entries: expert = 1
+    assert M.resolve_shape((1, 1, 1), 8) == (1, 1, 1, 1)
     with pytest.raises(ValueError, match="needs 16 devices; only 8"):
         M.resolve_shape((4, 2, 2), 8)
     with pytest.raises(ValueError, match="at most one of them -1"):
@@ -68,7 +70,7 @@ def test_mesh_shapes_and_errors():
     with pytest.raises(ValueError, match="only the last role may use -1"):
         M.role_meshes({"trainer": (-1, 1, 1), "sampler": (1, 1, 1)})
     mesh = M.make_mesh((1, 1, 1))
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
     assert M.initialize_distributed() is False  # nothing configured: single process
     with pytest.raises(ValueError, match="together"):
         M.initialize_distributed(coordinator_address="10.0.0.1:1234")
@@ -234,7 +236,7 @@ def test_train_step_on_mesh_matches_one_device(eight_devices):
     assert specs["layers.0.self_attn.k_norm.weight"] == str(P())
     assert opt["0.mu.layers.0.mlp.down_proj.kernel"] == str(P("tensor", "fsdp"))
     assert r["q_shard_shape"] == [16, 16]  # [32, 32] split 2 x 2
-    assert r["batch_spec"] == str(P(("data", "fsdp"), None))
+    assert r["batch_spec"] == str(P(("data", "fsdp", "expert"), None))
 
 
 @pytest.mark.parametrize("layout", ["token_major", "feature_major"])
@@ -245,7 +247,7 @@ def test_sampling_on_mesh_matches_one_device(eight_devices, layout):
         assert r["tokens_equal"], name
         assert r["logprob_diff"] <= 1e-5, name
         assert r["distinct"] > 5
-    assert eight_devices[f"{layout}/cache_spec"] == str(P(("data", "fsdp"), "tensor"))
+    assert eight_devices[f"{layout}/cache_spec"] == str(P(("data", "fsdp", "expert"), "tensor"))
 
 
 def test_shard_wise_pull_on_a_two_way_tensor_mesh(eight_devices):
@@ -266,8 +268,8 @@ def test_shard_wise_pull_on_a_two_way_tensor_mesh(eight_devices):
 
 def test_role_meshes_are_disjoint(eight_devices):
     roles = eight_devices["roles"]
-    assert roles["trainer"] == [[0, 1, 2, 3], {"data": 1, "fsdp": 2, "tensor": 2}]
-    assert roles["sampler"] == [[4, 5, 6, 7], {"data": 4, "fsdp": 1, "tensor": 1}]
+    assert roles["trainer"] == [[0, 1, 2, 3], {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}]
+    assert roles["sampler"] == [[4, 5, 6, 7], {"data": 4, "fsdp": 1, "tensor": 1, "expert": 1}]
 
 
 def test_sampler_noise_drawn_up_front_equals_categorical():
@@ -390,7 +392,7 @@ def roles_on_eight_devices(tmp_path_factory) -> dict:
 
 def test_rollout_worker_on_sampler_mesh_makes_the_same_batches(roles_on_eight_devices):
     r = roles_on_eight_devices
-    assert r["worker_mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert r["worker_mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
     assert r["plain_worker_mesh"] is None  # mesh.sampler unset: one device
     assert r["worker_weights_replicated"]  # data parallel: weights on every device
     for batch in r["worker"]:
@@ -400,7 +402,7 @@ def test_rollout_worker_on_sampler_mesh_makes_the_same_batches(roles_on_eight_de
 
 def test_trainer_on_mesh_matches_one_device(roles_on_eight_devices):
     r = roles_on_eight_devices
-    assert r["trainer_mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert r["trainer_mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
     assert r["steps"] == [2, 2]
     assert r["param_change"] > 1e-5  # the steps moved the weights...
     assert r["param_diff"] <= 1e-5  # ...the same way on the mesh as on one device
@@ -423,8 +425,8 @@ def test_sharded_checkpoint_restores_on_the_mesh_and_on_one_device(roles_on_eigh
 def test_config_meshes_for_co_located_roles_and_errors(roles_on_eight_devices):
     r = roles_on_eight_devices
     assert r["roles"] == {
-        "trainer": [[0, 1, 2, 3], {"data": 1, "fsdp": 2, "tensor": 2}],
-        "sampler": [[4, 5, 6, 7], {"data": 4, "fsdp": 1, "tensor": 1}],
+        "trainer": [[0, 1, 2, 3], {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}],
+        "sampler": [[4, 5, 6, 7], {"data": 4, "fsdp": 1, "tensor": 1, "expert": 1}],
     }
     assert "mesh.trainer=[4, 2, 2] on the 8 device(s)" in r["mesh_error"]
     assert "needs 16 devices" in r["mesh_error"]
