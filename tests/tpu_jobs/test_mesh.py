@@ -247,7 +247,8 @@ def test_sampling_on_mesh_matches_one_device(eight_devices, layout):
         assert r["tokens_equal"], name
         assert r["logprob_diff"] <= 1e-5, name
         assert r["distinct"] > 5
-    assert eight_devices[f"{layout}/cache_spec"] == str(P(("data", "fsdp", "expert"), "tensor"))
+    # (as XLA names the placed cache: the expert axis, of size 1 here, left out)
+    assert eight_devices[f"{layout}/cache_spec"] == str(P(("data", "fsdp"), "tensor"))
 
 
 def test_shard_wise_pull_on_a_two_way_tensor_mesh(eight_devices):
