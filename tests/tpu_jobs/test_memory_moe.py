@@ -14,7 +14,7 @@ from tests.tpu_jobs.test_mesh import run_on_eight_devices
 
 pytestmark = pytest.mark.memory  # one compile on 8 fake devices (~1 min on 2 cores)
 
-H, L, HEADS, KV, HD, E, K, I, V = 256, 2, 4, 2, 64, 16, 4, 128, 4096
+H, L, HEADS, KV, HD, E, K, INTER, V = 256, 2, 4, 2, 64, 16, 4, 128, 4096
 ROWS, PROMPT, COMPLETION = 8, 128, 384
 
 SCRIPT = rf"""
@@ -27,7 +27,7 @@ cfg = load_config(None, [
     "model.hidden_size={H}", "model.num_layers={L}", "model.num_heads={HEADS}",
     "model.num_kv_heads={KV}", "model.head_dim={HD}", "model.intermediate_size=512",
     "model.num_experts={E}", "model.num_experts_per_tok={K}",
-    "model.moe_intermediate_size={I}", "model.norm_topk_prob=true", "model.qk_norm=true",
+    "model.moe_intermediate_size={INTER}", "model.norm_topk_prob=true", "model.qk_norm=true",
     "model.vocab_size={V}", "model.tie_embeddings=false", "model.tokenizer=byte",
     "model.max_seq_len={PROMPT + COMPLETION}", "model.remat=full", "model.attention=chunked",
     "sampler.max_new_tokens={COMPLETION}", "rollout.prompts_per_batch=1",
@@ -41,7 +41,7 @@ def test_expert_parallel_step_holds_its_share_of_weights_and_adam_state():
     out = run_on_eight_devices(SCRIPT)
     fsdp, expert = 2, 4
     # Floats of the weights on one device, by the rules of tpu_jobs/model/mesh.py:
-    experts = 3 * E * H * I // (expert * fsdp)  # [E, H, I] x 3: E over expert, H over fsdp
+    experts = 3 * E * H * INTER // (expert * fsdp)  # [E, H, I] x 3: E over expert, H over fsdp
     attention = (2 * H * HEADS * HD + 2 * H * KV * HD) // fsdp  # q, o; k, v: over fsdp
     whole = 2 * HD + 2 * H + H * E  # q/k norms, the two layer norms, the router
     vocab = 2 * V * H // fsdp  # embedding and LM head, vocabulary over fsdp
@@ -55,5 +55,5 @@ def test_expert_parallel_step_holds_its_share_of_weights_and_adam_state():
     assert state <= args <= state + batch + 64, (args, state, batch)  # + Adam's counts
     # Without the expert split (experts over fsdp only) each device would hold 4x the
     # experts' share: the arguments would be 1.7x larger at this shape.
-    unsplit = state + 4 * 4 * L * 3 * E * H * I * (expert - 1) // (fsdp * expert)
+    unsplit = state + 4 * 4 * L * 3 * E * H * INTER * (expert - 1) // (fsdp * expert)
     assert args < 0.65 * unsplit, (args, unsplit)
