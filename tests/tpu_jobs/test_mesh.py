@@ -76,7 +76,30 @@ def test_mesh_shapes_and_errors():
         M.initialize_distributed(coordinator_address="10.0.0.1:1234")
 
 
-SCRIPT = r"""
+# An AdamW optimizer, 8 rows of 12 tokens with some masked, the largest difference of two
+# pytrees, a device's piece of a placed tensor: what the 8-device scripts (here and test_moe_parallel.py) compare with.
+BATCH8 = r"""
+tx = optax.adamw(1e-3, weight_decay=0.1)
+rng = np.random.default_rng(0)
+tokens = rng.integers(4, cfg.vocab_size, (8, 12)).astype(np.int32)
+mask = np.ones((8, 12), np.int32)
+mask[1, :3] = 0
+mask[5, -2:] = 0
+
+def maxdiff(a, b):
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+def device_piece(mesh, name, arr, i):
+    # The bytes device i of `mesh` holds of `arr` under the parameter rules.
+    from jax.sharding import NamedSharding
+    placed = jax.device_put(arr, NamedSharding(mesh, M.spec_for(name, arr.shape, mesh)))
+    device = mesh.devices.flat[i]
+    return np.asarray(next(s.data for s in placed.addressable_shards if s.device == device)).tobytes()
+"""
+
+SCRIPT = (
+    r"""
 import json, os
 import jax, jax.numpy as jnp, numpy as np, optax
 from pipeline.config import ModelConfig
@@ -89,13 +112,9 @@ from tpu_jobs.model.state import split_model
 assert jax.device_count() == 8, jax.devices()
 cfg = ModelConfig(preset="tiny", num_layers=1, qkv_bias=True, qk_norm=True, tie_embeddings=False)
 fns, params = split_model(init_model(cfg, 0))
-tx = optax.adamw(1e-3, weight_decay=0.1)
-rng = np.random.default_rng(0)
-tokens = rng.integers(4, cfg.vocab_size, (8, 12)).astype(np.int32)
-mask = np.ones((8, 12), np.int32)
-mask[1, :3] = 0
-mask[5, -2:] = 0
-
+"""
+    + BATCH8
+    + r"""
 def loss_fn(params, tokens, mask):
     return -jnp.mean(fns.logprobs(params, tokens, mask))
 
@@ -112,10 +131,6 @@ def train(params, opt_state, tokens, mask):
         losses.append(float(loss))
         grads.append(g)
     return params, losses, grads
-
-def maxdiff(a, b):
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 out = {}
 ref_params, ref_losses, ref_grads = train(params, tx.init(params), tokens, mask)
@@ -153,7 +168,6 @@ for layout in ("token_major", "feature_major"):
     out[f"{layout}/cache_spec"] = str(next(iter(sh_s._caches.values())).k[0].sharding.spec)
 
 # Shard-wise pulls: a version cut for a 2-way tensor mesh; the host holding device 1 only.
-from jax.sharding import NamedSharding
 from pipeline.paramserver import ParamServer, Snapshot
 from pipeline.storage import open_store
 from tests.pipeline.test_retention import HookedStore
@@ -177,24 +191,20 @@ half = reader.pull(0, ranks=ranks)
 out["tp_bytes_read"] = sum(read[1:])  # [0] is the manifest
 out["tp_bytes_total"] = sum(a.nbytes for a in flat.values())
 out["tp_split"] = {k: v for k, v in split.items()}
-same = True
-for name, arr in flat.items():  # the piece is what device 1 holds under the sampler's rules
-    placed = jax.device_put(arr, NamedSharding(tp, M.spec_for(name, arr.shape, tp)))
-    dev1 = next(s.data for s in placed.addressable_shards if s.device == tp.devices.flat[1])
-    same &= np.asarray(dev1).tobytes() == half.tensors[name].tobytes()
-out["tp_pieces_match_device_1"] = bool(same)
+# the piece is what device 1 holds under the sampler's rules
+out["tp_pieces_match_device_1"] = all(
+    device_piece(tp, n, a, 1) == half.tensors[n].tobytes() for n, a in flat.items())
 read.clear()
 step = reader.pull(1, have=half, ranks=ranks)
 out["tp_delta_from_held"] = list(step.deltas)
 out["tp_delta_matches"] = all(
-    np.asarray(next(s.data for s in jax.device_put(a, NamedSharding(tp, M.spec_for(n, a.shape, tp)))
-               .addressable_shards if s.device == tp.devices.flat[1])).tobytes()
-    == step.tensors[n].tobytes() for n, a in nxt.items())
+    device_piece(tp, n, a, 1) == step.tensors[n].tobytes() for n, a in nxt.items())
 
 roles = M.role_meshes({"trainer": (1, 2, 2), "sampler": (-1, 1, 1)})
 out["roles"] = {r: [[d.id for d in m.devices.flat], dict(m.shape)] for r, m in roles.items()}
 print("RESULT" + json.dumps(out))
 """
+)
 
 
 def run_on_eight_devices(script: str, *args: str) -> dict:
