@@ -21,7 +21,7 @@ pytestmark = pytest.mark.moe
 
 SCRIPT = (
     r"""
-import json
+import dataclasses, json
 import jax, jax.numpy as jnp, numpy as np, optax
 from pipeline.config import ModelConfig
 from pipeline.paramserver import ParamServer, Snapshot
@@ -71,14 +71,23 @@ ref = train(params, tx.init(params), tokens, mask)
 out["grad_max"] = max(float(np.abs(np.asarray(x)).max()) for x in jax.tree.leaves(ref[2][0]))
 out["loss_decreased"] = ref[1][-1] < ref[1][0]
 out["experts_used"] = int(len(np.unique(ref[4][0])))
-for shape in ((2, 2, 1, 2), (1, 2, 2, 2), (1, 1, 1, 8)):
+# Each dispatch (model.moe_dispatch; "auto" is "tiled" on CPU, "ragged_dot" on GPU/TPU)
+# against its own one-device run; a new jit per dispatch (`fns` is read when tracing).
+runs = [("tiled", s) for s in ((2, 2, 1, 2), (1, 2, 2, 2), (1, 1, 1, 8))]
+runs.append(("ragged_dot", (1, 2, 2, 2)))
+for dispatch, shape in runs:
+    if dispatch == "ragged_dot" and "ref_ragged" not in out:
+        fns = split_model(init_model(dataclasses.replace(cfg, moe_dispatch=dispatch), 0))[0]
+        step = jax.jit(step.__wrapped__)
+        ref = train(params, tx.init(params), tokens, mask)
+        out["ref_ragged"] = ref[1]
     mesh = M.make_mesh(shape)
     p_sh = M.shard_tree(params, mesh)
     o_sh = M.shard_tree(tx.init(params), mesh)
     t_sh, m_sh = M.shard_batch((tokens, mask), mesh)
     got = train(p_sh, o_sh, t_sh, m_sh)
     kernel = p_sh["layers"][0]["mlp"]["experts"]["gate_proj"]["kernel"][...]
-    out[str(shape)] = {
+    out[f"{dispatch} {shape}"] = {
         "param_diff": maxdiff(ref[0], got[0]),
         "grad_diff": max(maxdiff(a, b) for a, b in zip(ref[2], got[2])),
         "loss_diff": float(np.abs(np.array(ref[1]) - np.array(got[1])).max()),
@@ -167,9 +176,17 @@ def eight_devices() -> dict:
     return run_on_eight_devices(SCRIPT)
 
 
-@pytest.mark.parametrize("shape", ["(2, 2, 1, 2)", "(1, 2, 2, 2)", "(1, 1, 1, 8)"])
-def test_moe_train_step_with_expert_parallelism_matches_one_device(eight_devices, shape):
-    r, got = eight_devices, eight_devices[shape]
+@pytest.mark.parametrize(
+    "dispatch, shape",
+    [
+        ("tiled", "(2, 2, 1, 2)"),
+        ("tiled", "(1, 2, 2, 2)"),
+        ("tiled", "(1, 1, 1, 8)"),
+        ("ragged_dot", "(1, 2, 2, 2)"),
+    ],
+)
+def test_moe_train_step_with_expert_parallelism_matches_one_device(eight_devices, dispatch, shape):
+    r, got = eight_devices, eight_devices[f"{dispatch} {shape}"]
     assert r["loss_decreased"] and r["experts_used"] == 8 and r["grad_max"] > 1e-2
     assert got["same_experts"]  # every token routed as on one device, both steps
     assert got["loss_diff"] <= 1e-5 and got["metric_diff"] <= 1e-5
