@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from tpu_jobs.generate.interface import SamplingParams  # noqa: E402
 from tpu_jobs.generate.static_sampler import StaticSampler  # noqa: E402
-from tpu_jobs.learning.memory import QWEN25, qwen25_overrides  # noqa: E402
+from tpu_jobs.learning.memory import QWEN25, shape_overrides  # noqa: E402
 from tpu_jobs.learning.step import Learner, StepInputs  # noqa: E402
 from tpu_jobs.model.transformer import init_model, param_count  # noqa: E402
 
@@ -78,7 +78,7 @@ def trainer_row(shape: str, rows: int, seq: int, steps: int, backend: str) -> di
     cfg = load_config(
         None,
         [
-            *qwen25_overrides(shape),
+            *shape_overrides(shape),
             f"model.max_seq_len={seq}",
             "model.dtype=bfloat16",
             "model.remat=full",
@@ -117,7 +117,7 @@ def trainer_row(shape: str, rows: int, seq: int, steps: int, backend: str) -> di
 
 
 def sampler_row(shape: str, batch: int, new: int, repeats: int) -> dict:
-    cfg = load_config(None, [*qwen25_overrides(shape), f"model.max_seq_len={PROMPT + new}"])
+    cfg = load_config(None, [*shape_overrides(shape), f"model.max_seq_len={PROMPT + new}"])
     model = init_model(cfg.model, 0)
     sampler = StaticSampler(cfg.model, eos_id=-1)  # -1 is never sampled: every row runs `new`
     rng = np.random.default_rng(0)

@@ -24,7 +24,10 @@ KL reference); `--lora 0,64` gives both rows (0 = full RL).
 
 `--fsdp N` compiles the train-step rows on a mesh of N fake CPU devices with
 mesh.trainer = [1, N, 1] (FSDP; the activation constraints of tpu_jobs/model/constraints.py):
-the figures are per device. Sampler rows: `float32` / `bfloat16`, and `kv budget` rows
+the figures are per device. `--expert M` (mixture-of-experts shapes such as `30b-a3b`,
+Qwen3-30B-A3B) and `--tensor T` add those axes: N x T x M devices, mesh.trainer =
+[1, N, T, M], each expert kernel split over all three (experts over `expert`, hidden over
+`fsdp`, intermediate over `tensor`); the 8 rows must split over N x M. Sampler rows: `float32` / `bfloat16`, and `kv budget` rows
 under sampler.kv_token_budget (`--kv-budget`, token slots per generate program).
 
 Rows are 8 sequences of `prompt + completion` tokens (GRPO, one group of 8).
@@ -69,11 +72,13 @@ GIB = 2**30
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="0.5b", help="of 0.5b, 1.5b, 7b, 32b")
+    parser.add_argument("--models", default="0.5b", help="of 0.5b, 1.5b, 7b, 32b, 30b-a3b")
     parser.add_argument("--tokens", default="2048,8192", help="tokens per sequence")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="rows, by name")
     parser.add_argument("--sampler", default="64x256+1024,64x256+4096", help="'' for none")
     parser.add_argument("--fsdp", type=int, default=0, help="train step on N fake devices")
+    parser.add_argument("--tensor", type=int, default=1, help="and a tensor axis of T")
+    parser.add_argument("--expert", type=int, default=1, help="and an expert axis of M")
     parser.add_argument(
         "--lora", default="0", help="train-step rows at these LoRA ranks (0 = full RL)"
     )
@@ -85,16 +90,17 @@ def main(argv: list[str] | None = None) -> None:
         "--append", action="store_true", help="add the rows to --out's table (same machine)"
     )
     args = parser.parse_args(argv)
+    devices = args.fsdp * args.tensor * args.expert
     if args.fsdp:  # before jax is imported: XLA reads the flag at start-up
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.fsdp}"
-    from tpu_jobs.learning.memory import qwen25_overrides, sampler_memory, train_step_memory
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    from tpu_jobs.learning.memory import sampler_memory, shape_overrides, train_step_memory
     from tpu_jobs.model import mesh as meshlib
 
     def config(shape: str, tokens: int, extra: list[str]):
         return load_config(
             None,
             [
-                *qwen25_overrides(shape),
+                *shape_overrides(shape),
                 f"model.max_seq_len={tokens}",
                 f"sampler.max_new_tokens={tokens - PROMPT}",
                 "rollout.prompts_per_batch=1",
@@ -103,8 +109,14 @@ def main(argv: list[str] | None = None) -> None:
             ],
         )
 
-    mesh = meshlib.make_mesh((1, args.fsdp, 1)) if args.fsdp else None
-    on = f" on {args.fsdp} devices (FSDP)" if args.fsdp else ""
+    shape = (1, args.fsdp, args.tensor, args.expert)
+    mesh = meshlib.make_mesh(shape) if args.fsdp else None
+    on = f" on {devices} devices (FSDP)" if args.fsdp else ""
+    if args.fsdp and devices > args.fsdp:
+        axes = ", ".join(
+            f"{a} {n}" for a, n in zip(meshlib.AXES[1:], shape[1:], strict=True) if n > 1
+        )
+        on = f" on {devices} devices ({axes})"
     samplers = {
         "float32": ("float32", []),
         "bfloat16": ("bfloat16", []),
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         "# Memory of the train step and the sampler (XLA's memory_analysis)",
         "",
         f"`python benchmarks/memory.py --models {args.models} --tokens {args.tokens}` on "
-        f"{platform.machine()}, {os.cpu_count()} CPUs, {args.fsdp or 'one'} CPU device(s); compiled, never run. "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, {devices or 'one'} CPU device(s); compiled, never run. "
         "GiB per device: temporaries (the program's own buffers, after XLA's buffer "
         "assignment) and arguments (weights, optimizer state, batch).",
         "",

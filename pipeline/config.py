@@ -38,7 +38,7 @@ from pipeline.errors import ConfigError
 from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
 from pipeline.lora import TARGETS, LoraConfig
-from pipeline.mesh import MeshConfig, tensor_size
+from pipeline.mesh import MeshConfig, axis_size, piece_axis
 from pipeline.paramserver.config import ParamServerConfig
 from pipeline.sandbox.config import SandboxConfig
 from pipeline.storage.config import StorageConfig
@@ -757,14 +757,15 @@ class RunConfig:
                 self.rollout.judge_fraction,
                 f"0 with environment.name={env.name!r} (judging tool episodes is not built)",
             )
-        tensor = tensor_size(self.mesh.sampler)
+        axis = piece_axis(self.mesh.sampler)
+        size = axis_size(self.mesh.sampler, axis)
         parts = self.paramserver.tensor_parts
         _check(
-            not parts or tensor in (None, -1, parts),
+            not parts or size in (None, -1, parts),
             "paramserver.tensor_parts",
             parts,
-            f"0 or the tensor size of mesh.sampler ({tensor}): pieces must line up with the "
-            "sampler's tensor ranks",
+            f"0 or the {axis} size of mesh.sampler ({size}): pieces must line up with the "
+            f"sampler's {axis} ranks",
         )
         if self.sampler.engine == "vllm":
             self._check_vllm()

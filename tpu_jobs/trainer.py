@@ -33,6 +33,7 @@ batch's own solutions).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import sys
@@ -48,6 +49,7 @@ from pipeline import failpoints
 from pipeline.batch_checks import BadBatchError, BatchLimits, read_checked
 from pipeline.config import RunConfig
 from pipeline.leases import BatchLeases
+from pipeline.mesh import piece_axis
 from pipeline.metrics import tool_use_stats
 from pipeline.paramserver import StaleEpochError, UnrecoverableVersionError
 from pipeline.paramserver.adapters import server_base_digest
@@ -172,7 +174,7 @@ class Trainer:
             self.ps,
             self.leases,
             publish_policy(self.cfg, self.base_digest),
-            meshlib.split_axes,
+            functools.partial(meshlib.split_axes, axis=piece_axis(self.cfg.mesh.sampler)),
             log=lambda line: self.log(f"[trainer] {line}"),  # self.log as it is then
         )
         tok = run_tokenizer(run)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pipeline import weight_codec
 from pipeline.errors import check as _check
 from pipeline.errors import one_of as _one_of
-from pipeline.mesh import tensor_size
+from pipeline.mesh import axis_size, piece_axis
 
 # The dtypes a version may be published in: the codec's, or "sampler" (follow sampler.dtype).
 PUBLISH_DTYPES = ("sampler", *weight_codec.PUBLISH_DTYPES)
@@ -26,9 +26,11 @@ class ParamServerConfig:
         against the previous version (and full versions carry one too, so a worker holding
         the previous version never needs the full one). 1 (the default): every version full,
         no deltas, as runs before this option.
-    tensor_parts: weights the sampler's mesh splits over its `tensor` axis are stored in
-        this many pieces, one per tensor rank, so a host downloads only its ranks' bytes.
-        0 (the default): the tensor size of `mesh.sampler` when it is a fixed number, else 1.
+    tensor_parts: weights the sampler's mesh splits over its `tensor` axis (or, on a mesh
+        with expert > 1, its `expert` axis: each expert kernel [E, ...] along E) are stored
+        in this many pieces, one per rank, so a host downloads only its ranks' bytes (its
+        experts). 0 (the default): that axis's size in `mesh.sampler` when it is a fixed
+        number, else 1.
     pull_concurrency: parallel (ranged) reads of one pull, and parallel uploads of a publish.
     shard_mib: shard objects of small pieces are grouped up to this size.
     range_mib: one ranged read of a remote shard object.
@@ -54,8 +56,8 @@ class ParamServerConfig:
         return sampler_dtype if self.dtype == "sampler" else self.dtype
 
     def parts(self, sampler_mesh: tuple[int, ...] | None) -> int:
-        """Tensor ranks a version is split into."""
+        """Ranks (of the sampler mesh's `piece_axis`) a version is split into."""
         if self.tensor_parts:
             return self.tensor_parts
-        tensor = tensor_size(sampler_mesh)
-        return tensor if tensor and tensor > 0 else 1
+        size = axis_size(sampler_mesh, piece_axis(sampler_mesh))
+        return size if size and size > 0 else 1

@@ -22,7 +22,7 @@ from tests.runs import xla_flags_with_devices
 from tpu_jobs.model import mesh as M
 
 ROOT = Path(__file__).resolve().parents[2]
-MESH8 = AbstractMesh((2, 2, 2), M.AXES)
+MESH8 = AbstractMesh((2, 2, 2, 1), M.AXES)
 
 
 def test_rules_give_megatron_fsdp_specs():
@@ -54,13 +54,15 @@ def test_learner_rejects_batches_the_mesh_cannot_split():
     from tpu_jobs.learning.step import Learner
 
     cfg = tiny_config("rollout.prompts_per_batch=3", "rollout.group_size=2")  # 6 rows
-    with pytest.raises(ValueError, match=r"data x fsdp = 8 .* 6 rows .* a multiple of 8 rows"):
-        Learner(cfg, 16, mesh=AbstractMesh((4, 2, 1), M.AXES))
+    with pytest.raises(
+        ValueError, match=r"data x fsdp x expert = 8 .* 6 rows .* a multiple of 8 rows"
+    ):
+        Learner(cfg, 16, mesh=AbstractMesh((4, 2, 1, 1), M.AXES))
 
 
 def test_mesh_shapes_and_errors():
-    assert M.resolve_shape((-1, 2, 2), 8) == (2, 2, 2)
-    assert M.resolve_shape((1, 1, 1), 8) == (1, 1, 1)
+    assert M.resolve_shape((-1, 2, 2), 8) == (2, 2, 2, 1)  # 3 entries: expert = 1
+    assert M.resolve_shape((1, 1, 1), 8) == (1, 1, 1, 1)
     with pytest.raises(ValueError, match="needs 16 devices; only 8"):
         M.resolve_shape((4, 2, 2), 8)
     with pytest.raises(ValueError, match="at most one of them -1"):
@@ -68,13 +70,36 @@ def test_mesh_shapes_and_errors():
     with pytest.raises(ValueError, match="only the last role may use -1"):
         M.role_meshes({"trainer": (-1, 1, 1), "sampler": (1, 1, 1)})
     mesh = M.make_mesh((1, 1, 1))
-    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
     assert M.initialize_distributed() is False  # nothing configured: single process
     with pytest.raises(ValueError, match="together"):
         M.initialize_distributed(coordinator_address="10.0.0.1:1234")
 
 
-SCRIPT = r"""
+# An AdamW optimizer, 8 rows of 12 tokens with some masked, the largest difference of two
+# pytrees, a device's piece of a placed tensor: what the 8-device scripts (here and test_moe_parallel.py) compare with.
+BATCH8 = r"""
+tx = optax.adamw(1e-3, weight_decay=0.1)
+rng = np.random.default_rng(0)
+tokens = rng.integers(4, cfg.vocab_size, (8, 12)).astype(np.int32)
+mask = np.ones((8, 12), np.int32)
+mask[1, :3] = 0
+mask[5, -2:] = 0
+
+def maxdiff(a, b):
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+def device_piece(mesh, name, arr, i):
+    # The bytes device i of `mesh` holds of `arr` under the parameter rules.
+    from jax.sharding import NamedSharding
+    placed = jax.device_put(arr, NamedSharding(mesh, M.spec_for(name, arr.shape, mesh)))
+    device = mesh.devices.flat[i]
+    return np.asarray(next(s.data for s in placed.addressable_shards if s.device == device)).tobytes()
+"""
+
+SCRIPT = (
+    r"""
 import json, os
 import jax, jax.numpy as jnp, numpy as np, optax
 from pipeline.config import ModelConfig
@@ -87,13 +112,9 @@ from tpu_jobs.model.state import split_model
 assert jax.device_count() == 8, jax.devices()
 cfg = ModelConfig(preset="tiny", num_layers=1, qkv_bias=True, qk_norm=True, tie_embeddings=False)
 fns, params = split_model(init_model(cfg, 0))
-tx = optax.adamw(1e-3, weight_decay=0.1)
-rng = np.random.default_rng(0)
-tokens = rng.integers(4, cfg.vocab_size, (8, 12)).astype(np.int32)
-mask = np.ones((8, 12), np.int32)
-mask[1, :3] = 0
-mask[5, -2:] = 0
-
+"""
+    + BATCH8
+    + r"""
 def loss_fn(params, tokens, mask):
     return -jnp.mean(fns.logprobs(params, tokens, mask))
 
@@ -110,10 +131,6 @@ def train(params, opt_state, tokens, mask):
         losses.append(float(loss))
         grads.append(g)
     return params, losses, grads
-
-def maxdiff(a, b):
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 out = {}
 ref_params, ref_losses, ref_grads = train(params, tx.init(params), tokens, mask)
@@ -151,7 +168,6 @@ for layout in ("token_major", "feature_major"):
     out[f"{layout}/cache_spec"] = str(next(iter(sh_s._caches.values())).k[0].sharding.spec)
 
 # Shard-wise pulls: a version cut for a 2-way tensor mesh; the host holding device 1 only.
-from jax.sharding import NamedSharding
 from pipeline.paramserver import ParamServer, Snapshot
 from pipeline.storage import open_store
 from tests.pipeline.test_retention import HookedStore
@@ -175,24 +191,20 @@ half = reader.pull(0, ranks=ranks)
 out["tp_bytes_read"] = sum(read[1:])  # [0] is the manifest
 out["tp_bytes_total"] = sum(a.nbytes for a in flat.values())
 out["tp_split"] = {k: v for k, v in split.items()}
-same = True
-for name, arr in flat.items():  # the piece is what device 1 holds under the sampler's rules
-    placed = jax.device_put(arr, NamedSharding(tp, M.spec_for(name, arr.shape, tp)))
-    dev1 = next(s.data for s in placed.addressable_shards if s.device == tp.devices.flat[1])
-    same &= np.asarray(dev1).tobytes() == half.tensors[name].tobytes()
-out["tp_pieces_match_device_1"] = bool(same)
+# the piece is what device 1 holds under the sampler's rules
+out["tp_pieces_match_device_1"] = all(
+    device_piece(tp, n, a, 1) == half.tensors[n].tobytes() for n, a in flat.items())
 read.clear()
 step = reader.pull(1, have=half, ranks=ranks)
 out["tp_delta_from_held"] = list(step.deltas)
 out["tp_delta_matches"] = all(
-    np.asarray(next(s.data for s in jax.device_put(a, NamedSharding(tp, M.spec_for(n, a.shape, tp)))
-               .addressable_shards if s.device == tp.devices.flat[1])).tobytes()
-    == step.tensors[n].tobytes() for n, a in nxt.items())
+    device_piece(tp, n, a, 1) == step.tensors[n].tobytes() for n, a in nxt.items())
 
 roles = M.role_meshes({"trainer": (1, 2, 2), "sampler": (-1, 1, 1)})
 out["roles"] = {r: [[d.id for d in m.devices.flat], dict(m.shape)] for r, m in roles.items()}
 print("RESULT" + json.dumps(out))
 """
+)
 
 
 def run_on_eight_devices(script: str, *args: str) -> dict:
@@ -234,7 +246,7 @@ def test_train_step_on_mesh_matches_one_device(eight_devices):
     assert specs["layers.0.self_attn.k_norm.weight"] == str(P())
     assert opt["0.mu.layers.0.mlp.down_proj.kernel"] == str(P("tensor", "fsdp"))
     assert r["q_shard_shape"] == [16, 16]  # [32, 32] split 2 x 2
-    assert r["batch_spec"] == str(P(("data", "fsdp"), None))
+    assert r["batch_spec"] == str(P(("data", "fsdp", "expert"), None))
 
 
 @pytest.mark.parametrize("layout", ["token_major", "feature_major"])
@@ -245,6 +257,7 @@ def test_sampling_on_mesh_matches_one_device(eight_devices, layout):
         assert r["tokens_equal"], name
         assert r["logprob_diff"] <= 1e-5, name
         assert r["distinct"] > 5
+    # (as XLA names the placed cache: the expert axis, of size 1 here, left out)
     assert eight_devices[f"{layout}/cache_spec"] == str(P(("data", "fsdp"), "tensor"))
 
 
@@ -266,8 +279,8 @@ def test_shard_wise_pull_on_a_two_way_tensor_mesh(eight_devices):
 
 def test_role_meshes_are_disjoint(eight_devices):
     roles = eight_devices["roles"]
-    assert roles["trainer"] == [[0, 1, 2, 3], {"data": 1, "fsdp": 2, "tensor": 2}]
-    assert roles["sampler"] == [[4, 5, 6, 7], {"data": 4, "fsdp": 1, "tensor": 1}]
+    assert roles["trainer"] == [[0, 1, 2, 3], {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}]
+    assert roles["sampler"] == [[4, 5, 6, 7], {"data": 4, "fsdp": 1, "tensor": 1, "expert": 1}]
 
 
 def test_sampler_noise_drawn_up_front_equals_categorical():
@@ -390,7 +403,7 @@ def roles_on_eight_devices(tmp_path_factory) -> dict:
 
 def test_rollout_worker_on_sampler_mesh_makes_the_same_batches(roles_on_eight_devices):
     r = roles_on_eight_devices
-    assert r["worker_mesh"] == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert r["worker_mesh"] == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1}
     assert r["plain_worker_mesh"] is None  # mesh.sampler unset: one device
     assert r["worker_weights_replicated"]  # data parallel: weights on every device
     for batch in r["worker"]:
@@ -400,7 +413,7 @@ def test_rollout_worker_on_sampler_mesh_makes_the_same_batches(roles_on_eight_de
 
 def test_trainer_on_mesh_matches_one_device(roles_on_eight_devices):
     r = roles_on_eight_devices
-    assert r["trainer_mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert r["trainer_mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1}
     assert r["steps"] == [2, 2]
     assert r["param_change"] > 1e-5  # the steps moved the weights...
     assert r["param_diff"] <= 1e-5  # ...the same way on the mesh as on one device
@@ -423,8 +436,8 @@ def test_sharded_checkpoint_restores_on_the_mesh_and_on_one_device(roles_on_eigh
 def test_config_meshes_for_co_located_roles_and_errors(roles_on_eight_devices):
     r = roles_on_eight_devices
     assert r["roles"] == {
-        "trainer": [[0, 1, 2, 3], {"data": 1, "fsdp": 2, "tensor": 2}],
-        "sampler": [[4, 5, 6, 7], {"data": 4, "fsdp": 1, "tensor": 1}],
+        "trainer": [[0, 1, 2, 3], {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}],
+        "sampler": [[4, 5, 6, 7], {"data": 4, "fsdp": 1, "tensor": 1, "expert": 1}],
     }
     assert "mesh.trainer=[4, 2, 2] on the 8 device(s)" in r["mesh_error"]
     assert "needs 16 devices" in r["mesh_error"]

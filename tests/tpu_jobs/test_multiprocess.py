@@ -134,7 +134,7 @@ def test_two_trainer_processes_form_one_eight_device_mesh_and_exit_0(two_process
     assert r["codes"] == {"trainer-0": 0, "trainer-1": 0}
     for i, log in enumerate(r["logs"]):
         assert f"process {i}/2 (jax.distributed started), 4 of 8 devices local" in log
-        assert "mesh {'data': 1, 'fsdp': 4, 'tensor': 2} of 8 devices" in log
+        assert "mesh {'data': 1, 'fsdp': 4, 'tensor': 2, 'expert': 1} of 8 devices" in log
         assert "[trainer] step 2/2" in log and "[trainer] done: {'step': 2" in log
     print(f"two-process trainer: {r['seconds']:.1f}s (with the reference run)")
 

@@ -23,7 +23,7 @@ from pipeline.config import RunConfig
 from tpu_jobs.learning.step import Learner, StepInputs
 
 # Hugging Face config.json values of Qwen/Qwen2.5-{0.5B,1.5B,7B,32B}, as config overrides
-# (`qwen25_overrides`): the shapes benchmarks/memory.py and benchmarks/accelerator.py use.
+# (`shape_overrides`): the shapes benchmarks/memory.py and benchmarks/accelerator.py use.
 QWEN25: dict[str, dict[str, object]] = {
     "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
                  intermediate_size=4864, tie_embeddings=True),
@@ -35,16 +35,27 @@ QWEN25: dict[str, dict[str, object]] = {
                 intermediate_size=27648, tie_embeddings=False, vocab_size=152_064),
 }  # fmt: skip
 QWEN25_VOCAB = 151_936  # 0.5B to 14B; 32B and 72B have 152,064 (their `vocab_size` above)
+# Qwen/Qwen3-30B-A3B's config.json: every layer a mixture of 128 experts, 8 active.
+QWEN3_MOE: dict[str, dict[str, object]] = {
+    "30b-a3b": dict(vocab_size=151_936, hidden_size=2048, num_layers=48, num_heads=32,
+                    num_kv_heads=4, head_dim=128, intermediate_size=6144, qk_norm=True,
+                    tie_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                    moe_intermediate_size=768, norm_topk_prob=True, qkv_bias=False),
+}  # fmt: skip
+# Every shape by name: the Qwen2.5 ones with their default vocabulary and q/k/v biases.
+SHAPES: dict[str, dict[str, object]] = {
+    **{k: {"vocab_size": QWEN25_VOCAB, **v, "qkv_bias": True} for k, v in QWEN25.items()},
+    **QWEN3_MOE,
+}
 
 
-def qwen25_overrides(shape: str) -> list[str]:
-    """Config overrides for a Qwen2.5 shape (`QWEN25`) with the byte tokenizer (the
+def shape_overrides(shape: str) -> list[str]:
+    """Config overrides for a model shape (`SHAPES`) with the byte tokenizer (the
     benchmarks feed random ids, so any tokenizer that fits the vocabulary will do)."""
-    if shape not in QWEN25:
-        raise ValueError(f"shape {shape!r} is unknown; allowed: {', '.join(QWEN25)}")
-    values = {"vocab_size": QWEN25_VOCAB, **QWEN25[shape]}
-    model = [f"model.{k}={str(v).lower()}" for k, v in values.items()]
-    return [*model, "model.qkv_bias=true", "model.tokenizer=byte"]
+    if shape not in SHAPES:
+        raise ValueError(f"shape {shape!r} is unknown; allowed: {', '.join(SHAPES)}")
+    model = [f"model.{k}={str(v).lower()}" for k, v in SHAPES[shape].items()]
+    return [*model, "model.tokenizer=byte"]
 
 
 def _figures(compiled: Any) -> dict[str, int]:
@@ -63,7 +74,7 @@ def train_step_memory(
     """memory_analysis() figures of the trainer's fused step for `cfg`: rows =
     rollout.prompts_per_batch * group_size, prompt_len + sampler.max_new_tokens tokens
     each. On one device, or per device of `mesh` (the state placed by the trainer's rules,
-    the batch split over data x fsdp, as `Learner` does). With LoRA the arguments are the
+    the batch split over data x fsdp x expert, as `Learner` does). With LoRA the arguments are the
     adapters, their optimizer state, the frozen base and the batch."""
     return _figures(compile_train_step(cfg, prompt_len, mesh))
 

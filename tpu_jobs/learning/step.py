@@ -476,11 +476,11 @@ class Learner:
         if self.micro_rows % multiple:
             raise ValueError(
                 f"the trainer mesh {dict(mesh.shape)} splits each (micro-)batch over data x "
-                f"fsdp = {multiple} devices, but a (micro-)batch has {self.micro_rows} rows "
+                f"fsdp x expert = {multiple} devices, but a (micro-)batch has {self.micro_rows} rows "
                 f"(rollout.prompts_per_batch={self.groups} x group_size={self.group_size}, "
                 f"trainer.mini_batches={tc.mini_batches}, micro_batch={tc.micro_batch}); "
-                f"allowed: a multiple of {multiple} rows (or change mesh.trainer: data * fsdp "
-                "must divide it)"
+                f"allowed: a multiple of {multiple} rows (or change mesh.trainer: data * fsdp * "
+                "expert must divide it)"
             )
         self.uses_values = self.spec.needs_value_head
         self.needs_ref = self.spec.needs_reference

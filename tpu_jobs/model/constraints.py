@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 # logical dimension name -> mesh axes (tpu_jobs.model.mesh.AXES). None: replicated.
 ACTIVATION_RULES: dict[str, tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),  # rows of a batch: pure and sharded data parallelism
+    "batch": ("data", "fsdp", "expert"),  # rows of a batch: data parallelism of all kinds
     "heads": ("tensor",),  # attention heads (query and KV): column-parallel q/k/v
     "mlp": ("tensor",),  # the MLP's intermediate units: column-parallel gate/up
     # The LM head's logits: vocabulary-parallel over every model axis, like its weight

@@ -9,6 +9,12 @@ Mesh axes (outermost first):
 * ``tensor`` - Megatron-style tensor parallelism: q/k/v/gate/up kernels split by output
   column (heads / intermediate units), o/down kernels by input row, vocabulary split for
   the embedding and LM head. On TPU keep it within a slice (ICI), on GPUs within a node.
+* ``expert`` - expert parallelism for mixture-of-experts models: each stacked expert
+  kernel [E, ...] is split over ``expert`` along E (and over ``fsdp``/``tensor`` along its
+  other dimensions, as a dense MLP's), so a device holds E / expert experts. The batch is
+  split over it too (``data x fsdp x expert``): outside the experts it is one more data
+  axis, and the other parameters are replicated over it (a dense model's rules never name
+  it). A 3-entry shape means expert = 1, so meshes of dense runs are unchanged.
 
 Which parameter gets which `PartitionSpec` is data (`PARAM_RULES`): regexes on the flat
 parameter names of `tpu_jobs.model.transformer` (``layers.3.mlp.down_proj.kernel``), first match wins.
@@ -37,8 +43,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both
+AXES = ("data", "fsdp", "tensor", "expert")
+BATCH_AXES = ("data", "fsdp", "expert")  # the batch dimension is split over all three
 
 # (regex on the flat name, spec). Kernels are [in, out] (see tpu_jobs.model.transformer).
 PARAM_RULES: tuple[tuple[str, P], ...] = (
@@ -48,8 +54,12 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"\.self_attn\.[qkv]_proj\.kernel$", P("fsdp", "tensor")),  # column parallel
     (r"\.self_attn\.[qkv]_proj\.bias$", P("tensor")),
     (r"\.self_attn\.o_proj\.kernel$", P("tensor", "fsdp")),  # row parallel
-    (r"\.mlp\.(gate|up)_proj\.kernel$", P("fsdp", "tensor")),
-    (r"\.mlp\.down_proj\.kernel$", P("tensor", "fsdp")),
+    (r"\.mlp\.(shared_expert\.)?(gate|up)_proj\.kernel$", P("fsdp", "tensor")),
+    (r"\.mlp\.(shared_expert\.)?down_proj\.kernel$", P("tensor", "fsdp")),
+    # A MoE layer's stacked experts, [E, hidden, inter] / [E, inter, hidden]: experts over
+    # `expert`, each expert's kernel as a dense MLP's. The router (mlp.gate) is replicated.
+    (r"\.mlp\.experts\.(gate|up)_proj\.kernel$", P("expert", "fsdp", "tensor")),
+    (r"\.mlp\.experts\.down_proj\.kernel$", P("expert", "tensor", "fsdp")),
     (r"(^|\.)lm_head\.kernel$", P(None, ("tensor", "fsdp"))),  # [hidden, vocab]
     (r".*", P()),  # norms (incl. q_norm/k_norm), optimizer counters: replicated
 )
@@ -59,7 +69,8 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
 
 
 def make_mesh(shape: Sequence[int], devices: Sequence[Any] | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh. One entry may be -1: all remaining devices.
+    """A (data, fsdp, tensor, expert) mesh from a shape of 4 entries, or of 3 (expert = 1).
+    One entry may be -1: all remaining devices.
 
     Uses `jax.make_mesh` (topology-aware device order on TPU) with Auto axes.
     """
@@ -71,12 +82,15 @@ def make_mesh(shape: Sequence[int], devices: Sequence[Any] | None = None) -> Mes
 
 
 def resolve_shape(shape: Sequence[int], n_devices: int) -> tuple[int, ...]:
-    """Fill a -1 entry; check the product fits in `n_devices`."""
+    """The 4-entry shape of `shape` (3 entries: expert = 1) with its -1 entry filled;
+    check the product fits in `n_devices`."""
     shape = tuple(int(s) for s in shape)
+    if len(shape) == len(AXES) - 1:
+        shape = (*shape, 1)  # (data, fsdp, tensor): no expert axis, as before it existed
     if len(shape) != len(AXES) or any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
         raise ValueError(
             f"mesh shape {shape} is invalid; allowed: {len(AXES)} positive sizes for "
-            f"{AXES}, at most one of them -1 (all remaining devices)"
+            f"{AXES} (or 3, expert = 1), at most one of them -1 (all remaining devices)"
         )
     if -1 in shape:
         rest = math.prod(s for s in shape if s != -1)
@@ -277,49 +291,56 @@ def split_axes(
     shapes: Mapping[str, Sequence[int]],
     parts: int,
     rules: Sequence[tuple[str, P]] = PARAM_RULES,
+    axis: str = "tensor",
 ) -> dict[str, int | None]:
-    """{flat parameter name: the dimension a sampler mesh of `parts` tensor ranks splits,
-    or None (replicated)}: where the parameter server cuts each weight into per-rank pieces,
-    so a piece is exactly what one tensor rank's devices hold (`rules`, `fit_spec`)."""
+    """{flat parameter name: the dimension a sampler mesh of `parts` ranks on `axis`
+    ("tensor", or "expert": `pipeline.mesh.piece_axis`) splits, or None (replicated)}:
+    where the parameter server cuts each weight into per-rank pieces, so a piece is exactly
+    what one rank's devices hold (`rules`, `fit_spec`)."""
     from jax.sharding import AbstractMesh
 
-    mesh = AbstractMesh((1, 1, parts), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    sizes = tuple(parts if a == axis else 1 for a in AXES)
+    mesh = AbstractMesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES))
     out: dict[str, int | None] = {}
     for name, shape in shapes.items():
         spec = spec_for(name, shape, mesh, rules) if parts > 1 else P()
         dims = [
             d
             for d, entry in enumerate(spec)
-            if entry == "tensor" or (isinstance(entry, tuple) and "tensor" in entry)
+            if entry == axis or (isinstance(entry, tuple) and axis in entry)
         ]
         out[name] = dims[0] if dims else None
     return out
 
 
-def tensor_ranks(mesh: Mesh, devices: Sequence[Any] | None = None) -> frozenset[int] | None:
-    """The `tensor`-axis indices of `mesh` that `devices` (default: this process's
-    addressable devices) occupy: the pieces of a version this host must download. None when
-    they are all of them (nothing to skip)."""
+def tensor_ranks(
+    mesh: Mesh, devices: Sequence[Any] | None = None, axis: str = "tensor"
+) -> frozenset[int] | None:
+    """The `axis` indices ("tensor", or "expert": `pipeline.mesh.piece_axis`) of `mesh` that
+    `devices` (default: this process's addressable devices) occupy: the pieces of a version
+    this host must download. None when they are all of them (nothing to skip)."""
     if devices is None:
         devices = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     wanted = set(devices)
-    axis = AXES.index("tensor")
-    ranks = {int(index[axis]) for index, device in np.ndenumerate(mesh.devices) if device in wanted}
-    return None if len(ranks) == mesh.shape["tensor"] else frozenset(ranks)
+    index_of = AXES.index(axis)
+    ranks = {
+        int(index[index_of]) for index, device in np.ndenumerate(mesh.devices) if device in wanted
+    }
+    return None if len(ranks) == mesh.shape[axis] else frozenset(ranks)
 
 
 def batch_size_multiple(mesh: Mesh) -> int:
-    """Global batch sizes must be multiples of this (the data x fsdp size)."""
+    """Global batch sizes must be multiples of this (the data x fsdp x expert size)."""
     return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """Leading (batch) dimension split over data x fsdp; the rest replicated."""
+    """Leading (batch) dimension split over data x fsdp x expert; the rest replicated."""
     return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
 
 
 def shard_batch(tree: Any, mesh: Mesh, *, process_local: bool = False) -> Any:
-    """Split every array of `tree` along its leading dimension over data x fsdp.
+    """Split every array of `tree` along its leading dimension over data x fsdp x expert.
 
     `process_local=False`: every process passes the same global batch (the sampler).
     `process_local=True` (multi-host data loading): each process passes only its own rows,
@@ -336,7 +357,7 @@ def shard_batch(tree: Any, mesh: Mesh, *, process_local: bool = False) -> Any:
     for x in jax.tree.leaves(tree):
         if np.shape(x)[0] % multiple:
             raise ValueError(
-                f"batch of {np.shape(x)[0]} rows cannot be split over data x fsdp = {multiple}; "
+                f"batch of {np.shape(x)[0]} rows cannot be split over data x fsdp x expert = {multiple}; "
                 f"allowed: a multiple of {multiple}"
             )
     return _put(tree, jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x)), tree))
@@ -352,7 +373,7 @@ def to_host(tree: Any) -> Any:
 
 
 def cache_sharding(mesh: Mesh, cache: Any) -> Any:
-    """Shardings for a `tpu_jobs.model.transformer.KVCache` (either layout): batch over data x fsdp,
+    """Shardings for a `tpu_jobs.model.transformer.KVCache` (either layout): batch over data x fsdp x expert,
     KV heads over tensor when they divide (matching the column-parallel k/v kernels)."""
     from tpu_jobs.model.transformer import KVCache
 
