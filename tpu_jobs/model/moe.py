@@ -78,18 +78,29 @@ def dropless_experts(
     kernels [in, out]). The N * k assignments are sorted by expert (stable, so the rows of
     one expert keep token order) and run as grouped matmuls over the E runs; the outputs
     are scattered back and summed per token. Returns [N, H] in x's dtype."""
-    n, k = experts.shape
-    num_experts = w_gate.shape[0]
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    order, token, sizes = _sort_by_expert(experts, w_gate.shape[0])
     rows = jnp.take(x, token, axis=0)  # [N * k, H], grouped by expert
     gate = jax.lax.ragged_dot(rows, w_gate.astype(x.dtype), sizes)
     up = jax.lax.ragged_dot(rows, w_up.astype(x.dtype), sizes)
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(x.dtype), sizes)
-    out = out * jnp.take(weights.reshape(-1), order).astype(x.dtype)[:, None]
-    return jnp.zeros((n, x.shape[-1]), x.dtype).at[token].add(out)
+    return _combine(out, weights, order, token, x.shape[0])
+
+
+def _sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ...]:
+    """(order, token, sizes) of the [N, k] assignments: `order` sorts their flat index by
+    expert (stable: one expert's rows keep token order), `token` is each sorted
+    assignment's token, `sizes` [E] int32 the assignments per expert."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, order // experts.shape[1], sizes
+
+
+def _combine(out: jax.Array, weights: jax.Array, order, token, n: int) -> jax.Array:
+    """[N, H]: the sorted assignments' expert outputs `out` [N * k, H], each times its
+    routing weight, summed back onto its token."""
+    out = out * jnp.take(weights.reshape(-1), order).astype(out.dtype)[:, None]
+    return jnp.zeros((n, out.shape[-1]), out.dtype).at[token].add(out)
 
 
 def tiled_experts(
@@ -113,9 +124,7 @@ def tiled_experts(
     num_experts = w_gate.shape[0]
     tile = dispatch_tile(n * k, num_experts)
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    order, token, sizes = _sort_by_expert(experts, num_experts)
     padded = (sizes + tile - 1) // tile * tile
     ends = jnp.cumsum(padded)
     num_tiles = (n * k + num_experts * (tile - 1)) // tile  # the most the padding can need
@@ -132,9 +141,7 @@ def tiled_experts(
     gate = jnp.einsum("tsh,thi->tsi", rows, w_gate[owner].astype(x.dtype))
     up = jnp.einsum("tsh,thi->tsi", rows, w_up[owner].astype(x.dtype))
     out = jnp.einsum("tsi,tih->tsh", jax.nn.silu(gate) * up, w_down[owner].astype(x.dtype))
-    out = out.reshape(num_tiles * tile, -1)[slot]
-    out = out * jnp.take(weights.reshape(-1), order).astype(x.dtype)[:, None]
-    return jnp.zeros((n, x.shape[-1]), x.dtype).at[token].add(out)
+    return _combine(out.reshape(num_tiles * tile, -1)[slot], weights, order, token, n)
 
 
 def dispatch_tile(assignments: int, num_experts: int) -> int:
