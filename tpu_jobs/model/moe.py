@@ -119,7 +119,7 @@ def tiled_experts(
     (MegaBlocks' block-sparse layout, Gale et al. 2023). Still dropless, with no capacity
     factor: the padding is at most tile - 1 rows per expert, zeros that are never read
     back. XLA:CPU runs this several times faster than its lowering of
-    `jax.lax.ragged_dot` (benchmarks/results/moe_demo.md), which accelerators run natively."""
+    `jax.lax.ragged_dot` (benchmarks/results/moe_dispatch.md), which accelerators run natively."""
     n, k = experts.shape
     num_experts = w_gate.shape[0]
     tile = dispatch_tile(n * k, num_experts)
@@ -157,8 +157,9 @@ DISPATCH: dict[str, Callable[..., jax.Array]] = {
     "ragged_dot": dropless_experts,
     "tiled": tiled_experts,
 }
-# "auto" by platform: XLA:CPU lowers ragged_dot to slow code (measured ~10x the tiled
-# forward at the demo_moe shape); GPU and TPU have native grouped matmuls for it.
+# "auto" by platform: XLA:CPU lowers ragged_dot to slow code (measured 3-4x the tiled
+# experts' time at the demo_moe batch, 16-22x at 128 experts, forward and backward:
+# benchmarks/results/moe_dispatch.md); GPU and TPU have native grouped matmuls for it.
 AUTO_DISPATCH = {"cpu": "tiled"}
 
 
