@@ -159,12 +159,8 @@ def to_parquet_bytes(batch: RolloutBatch) -> bytes:
         episode[name] = [None] * n if values is None else list(values)
     columns, schema = {}, FULL_SCHEMA
     if batch.routing is not None:
-        columns["routing"], schema = (
-            _routing_column(batch),
-            schema.append(
-                pa.field("routing", pa.list_(ROUTING_TYPES[_routing_type(batch.routing)]))
-            ),
-        )
+        columns["routing"] = _routing_column(batch)
+        schema = schema.append(pa.field("routing", columns["routing"].type))
     table = pa.table(
         {
             "batch_index": np.full(n, batch.batch_index, np.int64),
