@@ -217,9 +217,10 @@ def main() -> int:
         name, seed, url, wall, note = spec.split(":", 4)
         if name not in VARIANTS:
             parser.error(f"--add: variant {name!r} is not one of {sorted(VARIANTS)}")
-        row = seed_row(Run.open(url), int(seed), float(wall), 0)
+        run = Run.open(url)
+        row = seed_row(run, int(seed), float(wall), 0)
         row.pop("passed", None)
-        row.update(judging(Run.open(url)))
+        row.update(judging(run))
         row.update(variant=name, config=args.config, note=note, date=time.strftime("%Y-%m-%d"))
         record(row)
     write()
