@@ -49,9 +49,9 @@ def route(
     chosen experts, divided by their sum when `norm_topk_prob` (Qwen3-MoE).
 
     A token whose given experts are not all < E (the not-recorded mark,
-    `pipeline.rollouts.routing_dtype`:
-    the sampler never ran it, as a completion's last token, or its row was made without
-    recording) takes the router's own top-k, so a partly recorded batch replays what was recorded and routes the rest."""
+    `pipeline.rollouts.routing_dtype`: the sampler never ran it, as a completion's last
+    token, or its row was made without recording) takes the router's own top-k, so a
+    partly recorded batch replays what was recorded and routes the rest."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     _, own = jax.lax.top_k(probs, k)
     if experts is not None:
