@@ -11,6 +11,13 @@ expert's contiguous run of rows is multiplied by its own weights with one groupe
 with no capacity factor and no padding to E equal groups. The work is that of the k active
 experts per token, not of all E.
 
+Under a mesh (`expert_parallel`) each device sorts and runs only the assignments of its own
+tokens to its own experts: the tokens are gathered over the `expert` axis, each device
+multiplies the rows routed to the E / expert experts it holds, and the partial outputs are
+reduce-scattered back to their tokens' devices. Nothing of the dispatch is ever the whole
+batch's, so its buffers shrink with the mesh (benchmarks/results/memory.md, the
+Qwen3-30B-A3B row).
+
 Routing replay (issue 38, item 4) enters through `route(..., experts=)`: given recorded
 expert ids, the router's choice is skipped and the weights are the router's probabilities
 at those ids, so the router logits still get their gradient through the recorded experts'
@@ -24,6 +31,9 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from tpu_jobs.model.mesh import fit_spec
 
 
 @jax.tree_util.register_dataclass
@@ -77,7 +87,11 @@ def dropless_experts(
     experts, weights: [N, k]; w_gate, w_up: [E, H, I]; w_down: [E, I, H] (each expert's
     kernels [in, out]). The N * k assignments are sorted by expert (stable, so the rows of
     one expert keep token order) and run as grouped matmuls over the E runs; the outputs
-    are scattered back and summed per token. Returns [N, H] in x's dtype."""
+    are scattered back and summed per token. Returns [N, H] in x's dtype.
+
+    An expert id of E (an expert another device holds, `expert_parallel`)
+    sorts after every real one, outside every group: `ragged_dot` leaves its rows zero,
+    so it adds nothing and costs no matmul."""
     order, token, sizes = _sort_by_expert(experts, w_gate.shape[0])
     rows = jnp.take(x, token, axis=0)  # [N * k, H], grouped by expert
     gate = jax.lax.ragged_dot(rows, w_gate.astype(x.dtype), sizes)
@@ -89,7 +103,8 @@ def dropless_experts(
 def _sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ...]:
     """(order, token, sizes) of the [N, k] assignments: `order` sorts their flat index by
     expert (stable: one expert's rows keep token order), `token` is each sorted
-    assignment's token, `sizes` [E] int32 the assignments per expert."""
+    assignment's token, `sizes` [E] int32 the assignments per expert (an id of E, not
+    held here, sorts last and is in no size)."""
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
@@ -119,7 +134,8 @@ def tiled_experts(
     (MegaBlocks' block-sparse layout, Gale et al. 2023). Still dropless, with no capacity
     factor: the padding is at most tile - 1 rows per expert, zeros that are never read
     back. XLA:CPU runs this several times faster than its lowering of
-    `jax.lax.ragged_dot` (benchmarks/results/moe_dispatch.md), which accelerators run natively."""
+    `jax.lax.ragged_dot` (benchmarks/results/moe_dispatch.md), which accelerators run natively.
+    An expert id of E (not held here) gets no row and adds nothing, as there."""
     n, k = experts.shape
     num_experts = w_gate.shape[0]
     tile = dispatch_tile(n * k, num_experts)
@@ -132,16 +148,20 @@ def tiled_experts(
     # Each assignment's row in the padded layout: its expert's padded start + its rank
     # among that expert's assignments.
     rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[by_expert]
-    slot = (ends - padded)[by_expert] + rank
+    # An assignment to an expert not held here gets a slot past the end: the scatter
+    # drops it and the gather back reads zeros for it.
+    slot = jnp.where(by_expert < num_experts, (ends - padded)[by_expert] + rank, num_tiles * tile)
     rows = jnp.zeros((num_tiles * tile, x.shape[-1]), x.dtype)
-    rows = rows.at[slot].set(jnp.take(x, token, axis=0)).reshape(num_tiles, tile, -1)
+    rows = rows.at[slot].set(jnp.take(x, token, axis=0), mode="drop")
+    rows = rows.reshape(num_tiles, tile, -1)
     # Tiles past the last expert's rows hold zeros; any expert's kernel gives them zeros.
     owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_tiles) * tile, side="right"),
                         num_experts - 1)  # fmt: skip
     gate = jnp.einsum("tsh,thi->tsi", rows, w_gate[owner].astype(x.dtype))
     up = jnp.einsum("tsh,thi->tsi", rows, w_up[owner].astype(x.dtype))
     out = jnp.einsum("tsi,tih->tsh", jax.nn.silu(gate) * up, w_down[owner].astype(x.dtype))
-    return _combine(out.reshape(num_tiles * tile, -1)[slot], weights, order, token, n)
+    out = out.reshape(num_tiles * tile, -1).at[slot].get(mode="fill", fill_value=0)
+    return _combine(out, weights, order, token, n)
 
 
 def dispatch_tile(assignments: int, num_experts: int) -> int:
@@ -168,6 +188,79 @@ def dispatch(name: str, platform: str) -> Callable[..., jax.Array]:
     if name == "auto":
         name = AUTO_DISPATCH.get(platform, "ragged_dot")
     return DISPATCH[name]
+
+
+# The axes a MoE layer's tokens are split over inside `expert_parallel`: every batch axis
+# (tpu_jobs.model.mesh.BATCH_AXES) and then `tensor`, whose ranks would otherwise all run the
+# same rows (the experts are gathered whole per device instead of split by columns).
+TOKEN_AXES = ("data", "fsdp", "expert", "tensor")
+# The stacked experts' placement (tpu_jobs.model.mesh.PARAM_RULES, before fitting).
+EXPERT_SPECS = {
+    "gate_up": P("expert", "fsdp", "tensor"),
+    "down": P("expert", "tensor", "fsdp"),
+}
+
+
+def expert_parallel(
+    fn: Callable[..., jax.Array],
+    mesh: jax.sharding.AbstractMesh,
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """`fn(x, experts, weights, w_gate, w_up, w_down)` (a `DISPATCH` function) run per
+    device under `mesh`: the same [N, H] result, with no buffer of the whole batch.
+
+    Each device takes its slice of the N tokens (split over `TOKEN_AXES`, as far as they
+    divide N) and gathers its experts' kernels whole (their FSDP and tensor pieces; the
+    gradient reduce-scatters back, as FSDP's). When the experts are split over `expert`,
+    the tokens of the expert group are gathered, each device runs only the assignments to
+    the experts it holds (the others get the id E_held), and the partial outputs are summed
+    and scattered back to the tokens' devices: an all-gather and a reduce-scatter of
+    `expert` x the local tokens' rows per layer, and a sort of only those."""
+    n = x.shape[0]
+    tokens = fit_spec(P(TOKEN_AXES), (n,), mesh)[0]
+    token_axes = () if tokens is None else tokens if isinstance(tokens, tuple) else (tokens,)
+    gate_spec = fit_spec(EXPERT_SPECS["gate_up"], w_gate.shape, mesh)
+    down_spec = fit_spec(EXPERT_SPECS["down"], w_down.shape, mesh)
+    split = gate_spec[0] == "expert" and down_spec[0] == "expert"
+    gather_tokens = split and "expert" in token_axes
+
+    def whole(w: jax.Array, spec: P) -> jax.Array:
+        for dim, entry in enumerate(spec):
+            if dim and entry is not None:
+                w = jax.lax.all_gather(w, entry, axis=dim, tiled=True)
+        return w
+
+    def local(x, experts, weights, w_gate, w_up, w_down):
+        w_gate, w_up, w_down = (
+            whole(w_gate, gate_spec),
+            whole(w_up, gate_spec),
+            whole(w_down, down_spec),
+        )
+        if gather_tokens:
+            x, experts, weights = (
+                jax.lax.all_gather(a, "expert", axis=0, tiled=True) for a in (x, experts, weights)
+            )
+        if split:
+            held = w_gate.shape[0]
+            ids = experts - jax.lax.axis_index("expert") * held
+            experts = jnp.where((ids >= 0) & (ids < held), ids, held)  # held: not here
+        y = fn(x, experts, weights, w_gate, w_up, w_down)
+        if gather_tokens:
+            return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, "expert") if split else y
+
+    rows = P(tokens)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, gate_spec, gate_spec, down_spec),
+        out_specs=rows,
+    )(x, experts, weights, w_gate, w_up, w_down)
 
 
 def _token_weights(mask: jax.Array | None, shape: tuple[int, ...]) -> jax.Array:

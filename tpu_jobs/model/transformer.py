@@ -50,7 +50,7 @@ from flax import nnx
 from pipeline.config import ModelConfig
 from pipeline.lora import LoraConfig
 from tpu_jobs.model import moe
-from tpu_jobs.model.constraints import constrain
+from tpu_jobs.model.constraints import constrain, current_mesh
 from tpu_jobs.model.lm_head import head_logits, token_logprobs
 from tpu_jobs.model.moe import RouterOutputs
 
@@ -547,14 +547,20 @@ class MoE(nnx.Module):
         logits = self.gate(x).astype(jnp.float32)
         weights, experts = moe.route(logits, self.top_k, self.norm_topk_prob, routing)
         ex = self.experts
-        y = moe.dispatch(self.dispatch, jax.default_backend())(
+        args = (
             x.reshape(b * t, h),
             experts.reshape(b * t, -1),
             weights.reshape(b * t, -1),
             ex.gate_proj.kernel[...],
             ex.up_proj.kernel[...],
             ex.down_proj.kernel[...],
-        ).reshape(b, t, h)
+        )
+        fn = moe.dispatch(self.dispatch, jax.default_backend())
+        mesh = current_mesh()
+        # On a mesh each device dispatches its own tokens to its own experts; unsharded,
+        # the whole batch is one device's anyway.
+        y = fn(*args) if mesh is None or mesh.size == 1 else moe.expert_parallel(fn, mesh, *args)
+        y = y.reshape(b, t, h)
         if self.shared_expert is not None:
             y = y + self.shared_expert(x)
         return constrain(y, "batch", None, None), RouterOutputs(logits, experts)
