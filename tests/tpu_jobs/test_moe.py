@@ -154,6 +154,27 @@ def test_dropless_dispatch_equals_the_dense_reference_values_and_gradients(tenso
     assert np.all(np.asarray(g_ours[4])[E - 1] == 0)  # the idle expert gets no gradient
 
 
+def test_tiled_experts_in_blocks_equal_the_dense_reference(tensors, monkeypatch):
+    """Past `TILE_KERNEL_BYTES` of gathered kernels the tiles run in blocks (a lax.map,
+    each block recomputed in the backward pass): the same values and gradients."""
+    t = {k: jnp.asarray(v) for k, v in tensors.items()}
+    per_tile = 4 * (2 * H * INTER + INTER * H)  # the three float32 kernels of one expert
+    monkeypatch.setattr(moe, "TILE_KERNEL_BYTES", 3 * per_tile)  # blocks of 3 tiles
+
+    def loss(fn, x, logits, w_gate, w_up, w_down):
+        weights, experts = moe.route(logits, K, True)
+        return jnp.sum(jnp.sin(fn(x, experts, weights, w_gate, w_up, w_down)))
+
+    args = (t["x"], t["logits"], t["w_gate"], t["w_up"], t["w_down"])
+    grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4, 5))
+    (v_ours, g_ours), (v_ref, g_ref) = grad(moe.tiled_experts, *args), grad(dense_reference, *args)
+    tiles = (N * K + E * (moe.dispatch_tile(N * K, E) - 1)) // moe.dispatch_tile(N * K, E)
+    assert tiles > 3 and tiles % 3  # several blocks and a remainder
+    np.testing.assert_allclose(float(v_ours), float(v_ref), rtol=1e-5)
+    for name, a, b in zip(("x", "logits", "gate", "up", "down"), g_ours, g_ref, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("dispatch", sorted(moe.DISPATCH))
 def test_an_expert_held_elsewhere_adds_nothing(tensors, dispatch):
     """Under expert parallelism a device runs only the experts it holds: the others'
