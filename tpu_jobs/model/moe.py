@@ -87,17 +87,18 @@ def dropless_experts(
     experts, weights: [N, k]; w_gate, w_up: [E, H, I]; w_down: [E, I, H] (each expert's
     kernels [in, out]). The N * k assignments are sorted by expert (stable, so the rows of
     one expert keep token order) and run as grouped matmuls over the E runs; the outputs
-    are scattered back and summed per token. Returns [N, H] in x's dtype.
+    are gathered back and summed per token. Returns [N, H] in x's dtype.
 
     An expert id of E (an expert another device holds, `expert_parallel`)
     sorts after every real one, outside every group: `ragged_dot` leaves its rows zero,
     so it adds nothing and costs no matmul."""
     order, token, sizes = _sort_by_expert(experts, w_gate.shape[0])
-    rows = jnp.take(x, token, axis=0)  # [N * k, H], grouped by expert
+    layout = _Layout.of(order, token, jnp.arange(order.size), experts.shape, order.size)
+    rows = _to_rows(x, layout)  # [N * k, H], grouped by expert
     gate = jax.lax.ragged_dot(rows, w_gate.astype(x.dtype), sizes)
     up = jax.lax.ragged_dot(rows, w_up.astype(x.dtype), sizes)
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down.astype(x.dtype), sizes)
-    return _combine(out, weights, order, token, x.shape[0])
+    return _from_rows(out, weights, layout)
 
 
 def _sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ...]:
@@ -111,11 +112,84 @@ def _sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ..
     return order, order // experts.shape[1], sizes
 
 
-def _combine(out: jax.Array, weights: jax.Array, order, token, n: int) -> jax.Array:
-    """[N, H]: the sorted assignments' expert outputs `out` [N * k, H], each times its
-    routing weight, summed back onto its token."""
-    out = out * jnp.take(weights.reshape(-1), order).astype(out.dtype)[:, None]
-    return jnp.zeros((n, out.shape[-1]), out.dtype).at[token].add(out)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class _Layout:
+    """Where the [N, k] (token, pick) assignments sit among a dispatch's R rows, both ways:
+    `row_token` [R] (N for a row that holds none: padding, or an expert held elsewhere),
+    `row_pick` [R] which of its token's k picks a row is, `token_rows` [N, k] each
+    assignment's row (R for none). With both maps every move between tokens and rows,
+    forward and backward, is a gather: no scatter-add of [R, H] rows (XLA:CPU expands
+    those into several more buffers of that size) and no order-dependent sums."""
+
+    row_token: jax.Array
+    row_pick: jax.Array
+    token_rows: jax.Array
+
+    @staticmethod
+    def of(order, token, slot, shape: tuple[int, int], num_rows: int) -> _Layout:
+        """The layout of assignments sorted by `order` (their flat index; `token` each
+        one's token) placed at rows `slot` (>= num_rows: dropped)."""
+        n, k = shape
+        row_token = jnp.full((num_rows,), n, jnp.int32).at[slot].set(token, mode="drop")
+        row_pick = jnp.zeros((num_rows,), jnp.int32).at[slot].set(order % k, mode="drop")
+        slot = jnp.minimum(slot, num_rows).astype(jnp.int32)
+        token_rows = jnp.zeros((n * k,), jnp.int32).at[order].set(slot).reshape(n, k)
+        return _Layout(row_token, row_pick, token_rows)
+
+
+def _rows_of(a: jax.Array, index: jax.Array) -> jax.Array:
+    """a[index] along axis 0, zeros where index is out of range (the 'none' marks)."""
+    return a.at[index].get(mode="fill", fill_value=0)
+
+
+@jax.custom_vjp
+def _to_rows(x: jax.Array, layout: _Layout) -> jax.Array:
+    """[R, H]: each row its token's hidden state (zeros for rows that hold none)."""
+    return _rows_of(x, layout.row_token)
+
+
+def _to_rows_fwd(x, layout):
+    return _to_rows(x, layout), layout
+
+
+def _to_rows_bwd(layout, g):
+    # A token's gradient is the sum of its k rows' (none: zero), gathered.
+    dx = sum(_rows_of(g, layout.token_rows[:, j]) for j in range(layout.token_rows.shape[1]))
+    return dx, None
+
+
+_to_rows.defvjp(_to_rows_fwd, _to_rows_bwd)
+
+
+@jax.custom_vjp
+def _from_rows(out: jax.Array, weights: jax.Array, layout: _Layout) -> jax.Array:
+    """[N, H]: per token, the sum over its k picks of the pick's row of `out` [R, H]
+    times its routing weight (weights [N, k])."""
+    k = weights.shape[1]
+    w = weights.astype(out.dtype)
+    return sum(w[:, j, None] * _rows_of(out, layout.token_rows[:, j]) for j in range(k))
+
+
+def _from_rows_fwd(out, weights, layout):
+    return _from_rows(out, weights, layout), (out, weights, layout)
+
+
+def _from_rows_bwd(res, g):
+    out, weights, layout = res
+    k = weights.shape[1]
+    # Each row gets its token's gradient times the row's weight (none: zero)...
+    w_row = _rows_of(weights, layout.row_token)  # [R, k]
+    w_row = jnp.take_along_axis(w_row, layout.row_pick[:, None], axis=1)
+    d_out = _rows_of(g, layout.row_token) * w_row.astype(g.dtype)
+    # ...and each weight the dot of its token's gradient with its row's output.
+    d_w = jnp.stack(
+        [jnp.sum(g * _rows_of(out, layout.token_rows[:, j]), axis=-1) for j in range(k)], axis=1
+    )
+    return d_out, d_w.astype(weights.dtype), None
+
+
+_from_rows.defvjp(_from_rows_fwd, _from_rows_bwd)
 
 
 def tiled_experts(
@@ -144,16 +218,23 @@ def tiled_experts(
     padded = (sizes + tile - 1) // tile * tile
     ends = jnp.cumsum(padded)
     num_tiles = (n * k + num_experts * (tile - 1)) // tile  # the most the padding can need
+    # Each tile gathers its expert's three kernels: at a real shape (Qwen3-30B-A3B: 19 MB a
+    # tile, ~1,000 tiles a layer per device) all tiles at once would hold GiBs of copies,
+    # so past `TILE_KERNEL_BYTES` the tiles go in blocks, one after another, each block's
+    # copies recomputed in the backward pass instead of kept. The tiles are rounded up to
+    # whole blocks (zero tiles), so that the blocks are a reshape, not a padded copy.
+    per_tile = sum(w[0].size for w in (w_gate, w_up, w_down)) * jnp.dtype(x.dtype).itemsize
+    block = min(num_tiles, max(1, TILE_KERNEL_BYTES // per_tile))
+    num_blocks = -(-num_tiles // block)
+    num_tiles = num_blocks * block
     by_expert = flat[order]
     # Each assignment's row in the padded layout: its expert's padded start + its rank
     # among that expert's assignments.
     rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[by_expert]
-    # An assignment to an expert not held here gets a slot past the end: the scatter
-    # drops it and the gather back reads zeros for it.
+    # An assignment to an expert not held here gets a slot past the end: no row.
     slot = jnp.where(by_expert < num_experts, (ends - padded)[by_expert] + rank, num_tiles * tile)
-    rows = jnp.zeros((num_tiles * tile, x.shape[-1]), x.dtype)
-    rows = rows.at[slot].set(jnp.take(x, token, axis=0), mode="drop")
-    rows = rows.reshape(num_tiles, tile, -1)
+    layout = _Layout.of(order, token, slot, (n, k), num_tiles * tile)
+    rows = _to_rows(x, layout).reshape(num_tiles, tile, -1)
     # Tiles past the last expert's rows hold zeros; any expert's kernel gives them zeros.
     owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_tiles) * tile, side="right"),
                         num_experts - 1)  # fmt: skip
@@ -163,19 +244,12 @@ def tiled_experts(
         up = jnp.einsum("tsh,thi->tsi", rows, w_up[owner].astype(x.dtype))
         return jnp.einsum("tsi,tih->tsh", jax.nn.silu(gate) * up, w_down[owner].astype(x.dtype))
 
-    # Each tile gathers its expert's three kernels: at a real shape (Qwen3-30B-A3B: 19 MB a
-    # tile, ~1,000 tiles a layer per device) all tiles at once would hold GiBs of copies,
-    # so past `TILE_KERNEL_BYTES` the tiles go in blocks, one after another, each block's
-    # copies recomputed in the backward pass instead of kept.
-    per_tile = sum(w[0].size for w in (w_gate, w_up, w_down)) * jnp.dtype(x.dtype).itemsize
-    block = max(1, TILE_KERNEL_BYTES // per_tile)
-    if num_tiles <= block:
+    if num_blocks == 1:
         out = tiles_mlp(rows, owner)
     else:
-        one = jax.checkpoint(lambda a: tiles_mlp(a[0][None], a[1][None])[0])
-        out = jax.lax.map(one, (rows, owner), batch_size=block)
-    out = out.reshape(num_tiles * tile, -1).at[slot].get(mode="fill", fill_value=0)
-    return _combine(out, weights, order, token, n)
+        blocks = (rows.reshape(num_blocks, block, tile, -1), owner.reshape(num_blocks, block))
+        out = jax.lax.map(jax.checkpoint(lambda a: tiles_mlp(*a)), blocks)
+    return _from_rows(out.reshape(num_tiles * tile, -1), weights, layout)
 
 
 # The most bytes of expert kernels `tiled_experts` gathers for its tiles at once.
