@@ -207,10 +207,10 @@ print("RESULT" + json.dumps(out))
 )
 
 
-def run_on_eight_devices(script: str, *args: str) -> dict:
-    """Run `script` in a fresh interpreter with 8 fake CPU devices (XLA reads the flag
-    only at start-up); it prints one line "RESULT" + JSON, returned parsed."""
-    env = {**os.environ, "XLA_FLAGS": xla_flags_with_devices(8)}
+def run_on_eight_devices(script: str, *args: str, devices: int = 8, timeout: int = 600) -> dict:
+    """Run `script` in a fresh interpreter with 8 (or `devices`) fake CPU devices (XLA
+    reads the flag only at start-up); it prints one line "RESULT" + JSON, returned parsed."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags_with_devices(devices)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-c", script, *args],
@@ -218,7 +218,7 @@ def run_on_eight_devices(script: str, *args: str) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
