@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from tpu_jobs.model.mesh import fit_spec
+from tpu_jobs.model.mesh import BATCH_AXES, fit_spec, spec_for
 
 
 @jax.tree_util.register_dataclass
@@ -283,14 +283,9 @@ def dispatch(name: str, platform: str) -> Callable[..., jax.Array]:
 
 
 # The axes a MoE layer's tokens are split over inside `expert_parallel`: every batch axis
-# (tpu_jobs.model.mesh.BATCH_AXES) and then `tensor`, whose ranks would otherwise all run the
-# same rows (the experts are gathered whole per device instead of split by columns).
-TOKEN_AXES = ("data", "fsdp", "expert", "tensor")
-# The stacked experts' placement (tpu_jobs.model.mesh.PARAM_RULES, before fitting).
-EXPERT_SPECS = {
-    "gate_up": P("expert", "fsdp", "tensor"),
-    "down": P("expert", "tensor", "fsdp"),
-}
+# and then `tensor`, whose ranks would otherwise all run the same rows (the experts are
+# gathered whole per device instead of split by columns).
+TOKEN_AXES = (*BATCH_AXES, "tensor")
 
 
 def expert_parallel(
@@ -316,8 +311,9 @@ def expert_parallel(
     n = x.shape[0]
     tokens = fit_spec(P(TOKEN_AXES), (n,), mesh)[0]
     token_axes = () if tokens is None else tokens if isinstance(tokens, tuple) else (tokens,)
-    gate_spec = fit_spec(EXPERT_SPECS["gate_up"], w_gate.shape, mesh)
-    down_spec = fit_spec(EXPERT_SPECS["down"], w_down.shape, mesh)
+    # The kernels' own placement (tpu_jobs.model.mesh.PARAM_RULES); up's is gate's.
+    gate_spec = spec_for("layers.0.mlp.experts.gate_proj.kernel", w_gate.shape, mesh)
+    down_spec = spec_for("layers.0.mlp.experts.down_proj.kernel", w_down.shape, mesh)
     split = gate_spec[0] == "expert" and down_spec[0] == "expert"
     gather_tokens = split and "expert" in token_axes
 
