@@ -32,6 +32,7 @@ code carries no sharding annotations.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -374,9 +375,9 @@ def to_host(tree: Any) -> Any:
 
 def cache_sharding(mesh: Mesh, cache: Any) -> Any:
     """Shardings for a `tpu_jobs.model.transformer.KVCache` (either layout): batch over data x fsdp x expert,
-    KV heads over tensor when they divide (matching the column-parallel k/v kernels)."""
-    from tpu_jobs.model.transformer import KVCache
-
+    KV heads over tensor when they divide (matching the column-parallel k/v kernels).
+    The cache's own class is kept (`dataclasses.replace`), so this module needs no import
+    of the model's (tpu_jobs.model.moe imports this one for the parameters' rules)."""
     if cache.per_layer:  # k[i]: [B, kv, hd, S], v[i]: [B, kv, S, hd]
         heads = cache.k[0].shape[1]
         spec = P(BATCH_AXES, "tensor" if heads % mesh.shape["tensor"] == 0 else None)
@@ -386,7 +387,7 @@ def cache_sharding(mesh: Mesh, cache: Any) -> Any:
         heads = cache.k.shape[3]
         spec = P(None, BATCH_AXES, None, "tensor" if heads % mesh.shape["tensor"] == 0 else None)
         k = v = NamedSharding(mesh, spec)
-    return KVCache(k=k, v=v, mask=batch_sharding(mesh, 2))
+    return dataclasses.replace(cache, k=k, v=v, mask=batch_sharding(mesh, 2))
 
 
 def describe(tree: Any) -> dict[str, str]:
