@@ -92,8 +92,8 @@ def dropless_experts(
     An expert id of E (an expert another device holds, `expert_parallel`)
     sorts after every real one, outside every group: `ragged_dot` leaves its rows zero,
     so it adds nothing and costs no matmul."""
-    order, token, sizes = _sort_by_expert(experts, w_gate.shape[0])
-    layout = _Layout.of(order, token, jnp.arange(order.size), experts.shape, order.size)
+    order, sizes = _sort_by_expert(experts, w_gate.shape[0])
+    layout = _Layout.of(order, jnp.arange(order.size), experts.shape, order.size)
     rows = _to_rows(x, layout)  # [N * k, H], grouped by expert
     gate = jax.lax.ragged_dot(rows, w_gate.astype(x.dtype), sizes)
     up = jax.lax.ragged_dot(rows, w_up.astype(x.dtype), sizes)
@@ -101,41 +101,44 @@ def dropless_experts(
     return _from_rows(out, weights, layout)
 
 
-def _sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, ...]:
-    """(order, token, sizes) of the [N, k] assignments: `order` sorts their flat index by
-    expert (stable: one expert's rows keep token order), `token` is each sorted
-    assignment's token, `sizes` [E] int32 the assignments per expert (an id of E, not
-    held here, sorts last and is in no size)."""
+def _sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(order, sizes) of the [N, k] assignments: `order` sorts their flat index (token * k
+    + pick) by expert (stable: one expert's rows keep token order), `sizes` [E] int32 the
+    assignments per expert (an id of E, not held here, sorts last and is in no size)."""
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    return order, order // experts.shape[1], sizes
+    return order, sizes
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class _Layout:
     """Where the [N, k] (token, pick) assignments sit among a dispatch's R rows, both ways:
-    `row_token` [R] (N for a row that holds none: padding, or an expert held elsewhere),
-    `row_pick` [R] which of its token's k picks a row is, `token_rows` [N, k] each
-    assignment's row (R for none). With both maps every move between tokens and rows,
-    forward and backward, is a gather: no scatter-add of [R, H] rows (XLA:CPU expands
-    those into several more buffers of that size) and no order-dependent sums."""
+    `row_assignment` [R] each row's assignment, as its flat index token * k + pick (N * k
+    for a row that holds none: padding, or an expert held elsewhere), and `token_rows`
+    [N, k] each assignment's row (R for none). With both maps every move between tokens
+    and rows, forward and backward, is a gather: no scatter-add of [R, H] rows (XLA:CPU
+    expands those into several more buffers of that size) and no order-dependent sums."""
 
-    row_token: jax.Array
-    row_pick: jax.Array
+    row_assignment: jax.Array
     token_rows: jax.Array
 
     @staticmethod
-    def of(order, token, slot, shape: tuple[int, int], num_rows: int) -> _Layout:
-        """The layout of assignments sorted by `order` (their flat index; `token` each
-        one's token) placed at rows `slot` (>= num_rows: dropped)."""
+    def of(order, slot, shape: tuple[int, int], num_rows: int) -> _Layout:
+        """The layout of the assignments sorted by `order` (their flat index) placed at rows
+        `slot` (>= num_rows: dropped)."""
         n, k = shape
-        row_token = jnp.full((num_rows,), n, jnp.int32).at[slot].set(token, mode="drop")
-        row_pick = jnp.zeros((num_rows,), jnp.int32).at[slot].set(order % k, mode="drop")
+        none = jnp.full((num_rows,), n * k, jnp.int32)
+        row_assignment = none.at[slot].set(order.astype(jnp.int32), mode="drop")
         slot = jnp.minimum(slot, num_rows).astype(jnp.int32)
         token_rows = jnp.zeros((n * k,), jnp.int32).at[order].set(slot).reshape(n, k)
-        return _Layout(row_token, row_pick, token_rows)
+        return _Layout(row_assignment, token_rows)
+
+    @property
+    def row_token(self) -> jax.Array:
+        """[R] each row's token (N for none)."""
+        return self.row_assignment // self.token_rows.shape[1]
 
 
 def _rows_of(a: jax.Array, index: jax.Array) -> jax.Array:
@@ -179,9 +182,8 @@ def _from_rows_bwd(res, g):
     out, weights, layout = res
     k = weights.shape[1]
     # Each row gets its token's gradient times the row's weight (none: zero)...
-    w_row = _rows_of(weights, layout.row_token)  # [R, k]
-    w_row = jnp.take_along_axis(w_row, layout.row_pick[:, None], axis=1)
-    d_out = _rows_of(g, layout.row_token) * w_row.astype(g.dtype)
+    w_row = _rows_of(weights.reshape(-1), layout.row_assignment)
+    d_out = _rows_of(g, layout.row_token) * w_row.astype(g.dtype)[:, None]
     # ...and each weight the dot of its token's gradient with its row's output.
     d_w = jnp.stack(
         [jnp.sum(g * _rows_of(out, layout.token_rows[:, j]), axis=-1) for j in range(k)], axis=1
@@ -214,7 +216,7 @@ def tiled_experts(
     num_experts = w_gate.shape[0]
     tile = dispatch_tile(n * k, num_experts)
     flat = experts.reshape(-1)
-    order, token, sizes = _sort_by_expert(experts, num_experts)
+    order, sizes = _sort_by_expert(experts, num_experts)
     padded = (sizes + tile - 1) // tile * tile
     ends = jnp.cumsum(padded)
     num_tiles = (n * k + num_experts * (tile - 1)) // tile  # the most the padding can need
@@ -233,7 +235,7 @@ def tiled_experts(
     rank = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[by_expert]
     # An assignment to an expert not held here gets a slot past the end: no row.
     slot = jnp.where(by_expert < num_experts, (ends - padded)[by_expert] + rank, num_tiles * tile)
-    layout = _Layout.of(order, token, slot, (n, k), num_tiles * tile)
+    layout = _Layout.of(order, slot, (n, k), num_tiles * tile)
     rows = _to_rows(x, layout).reshape(num_tiles, tile, -1)
     # Tiles past the last expert's rows hold zeros; any expert's kernel gives them zeros.
     owner = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_tiles) * tile, side="right"),
