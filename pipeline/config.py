@@ -168,7 +168,7 @@ class ModelConfig:
     # How the experts run (tpu_jobs.model.moe.DISPATCH; the same numbers): "ragged_dot"
     # (one jax.lax.ragged_dot per projection over the tokens sorted by expert), "tiled"
     # (the sorted rows padded per expert to tiles, one batched matmul), "auto": tiled on
-    # CPU, where XLA's ragged_dot ran 3-22x slower (benchmarks/results/moe_dispatch.md),
+    # CPU, where XLA's ragged_dot ran 3.5-23x slower (benchmarks/results/moe_dispatch.md),
     # ragged_dot on GPU and TPU.
     moe_dispatch: str = "auto"
 

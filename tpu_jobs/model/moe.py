@@ -271,8 +271,8 @@ DISPATCH: dict[str, Callable[..., jax.Array]] = {
     "ragged_dot": dropless_experts,
     "tiled": tiled_experts,
 }
-# "auto" by platform: XLA:CPU lowers ragged_dot to slow code (measured 3-4x the tiled
-# experts' time at the demo_moe batch, 16-22x at 128 experts, forward and backward:
+# "auto" by platform: XLA:CPU lowers ragged_dot to slow code (measured 3.5-3.8x the tiled
+# experts' time at the demo_moe batch, 17-23x at 128 experts, forward and backward:
 # benchmarks/results/moe_dispatch.md); GPU and TPU have native grouped matmuls for it.
 AUTO_DISPATCH = {"cpu": "tiled"}
 
