@@ -29,8 +29,13 @@ def piece_axis(shape: tuple[int, ...] | None) -> str:
     """The axis of the sampler's mesh `shape` whose ranks the parameter server cuts a
     version into pieces for (`pipeline.paramserver.config`): the one of `PIECE_AXES` that is
     not 1 ("tensor" when neither is; `MeshConfig` refuses both)."""
-    used = [a for a in PIECE_AXES if axis_size(shape, a) not in (None, 1)]
+    used = _split_piece_axes(shape)
     return used[0] if used else PIECE_AXES[0]
+
+
+def _split_piece_axes(shape: tuple[int, ...] | None) -> list[str]:
+    """The axes of `PIECE_AXES` that `shape` splits (size > 1 or -1)."""
+    return [a for a in PIECE_AXES if axis_size(shape, a) not in (None, 1)]
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ class MeshConfig:
                 "= 1), each >= 1 or -1 (all remaining devices, at most one entry)",
             )
         _check(
-            sum(axis_size(self.sampler, a) not in (None, 1) for a in PIECE_AXES) <= 1,
+            len(_split_piece_axes(self.sampler)) <= 1,
             "mesh.sampler",
             None if self.sampler is None else list(self.sampler),
             "tensor or expert > 1, not both (the parameter server cuts a version into the "
