@@ -78,6 +78,9 @@ print("RESULT" + json.dumps(train_step_memory(cfg, 256, M.make_mesh((1, 4, 2, 2)
 GIB = 1 << 30
 
 
+# The compile alone took 341 s on a quiet 2-core machine: past the suite's 600 s default
+# on a busy or slower one (it was, with `make test` beside it), so the subprocess's 1800 s.
+@pytest.mark.timeout(1800)
 def test_qwen3_30b_a3b_grpo_step_fits_60_gib_per_device_on_16_devices():
     """One compile of ~6 minutes and ~11 GB of host memory (the memory lane only)."""
     out = run_on_eight_devices(SCRIPT_30B, devices=16, timeout=1800)
