@@ -37,6 +37,9 @@ class Part:
 class AdvantageEstimator(Part):
     # The estimator reads the rollout's critic values V(s_t): the trainer adds a value head.
     needs_values: bool = False
+    # The estimator reads a teacher's log-probs of the sampled tokens (on-policy
+    # distillation): the rollout batch carries them (`pipeline.distill`).
+    needs_teacher: bool = False
 
 
 # What an aggregation divides by: all real tokens, or the non-empty sequences. A trainer
@@ -61,6 +64,11 @@ ADVANTAGES: dict[str, AdvantageEstimator] = {
     "reinforce_pp": AdvantageEstimator("REINFORCE++: KL-penalised returns, batch-normalised"),
     "reinforce_pp_baseline": AdvantageEstimator("(r - mean_G) / batch std of that"),
     "gae": AdvantageEstimator("GAE(gamma, lambda) over a critic", needs_values=True),
+    "opd": AdvantageEstimator(
+        "-(log pi_old - log pi_teacher) per sampled token (on-policy distillation: the "
+        "reverse KL to a teacher)",
+        needs_teacher=True,
+    ),
 }
 POLICY_LOSSES: dict[str, Part] = {
     "ppo_clip": Part("PPO/GRPO clipped surrogate (decoupled eps_low / eps_high)"),
@@ -152,6 +160,9 @@ class LossSpec:
     is_correction: key of IS_CORRECTIONS for sampler/trainer mismatch ("none", "tis", "mis").
     is_cap: the cap C of the IS weight.
     is_level: "token" or "sequence" importance ratio.
+    distill_coef: on-policy distillation mixed into an RL objective: this weight times the
+        "opd" advantage -(log pi_old - log pi_teacher) is added to every sampled token's
+        advantage; 0 = off. (The "opd" advantage alone is the `opd` preset.)
     """
 
     advantage: str = _choice("grpo", ADVANTAGES)
@@ -176,10 +187,18 @@ class LossSpec:
     is_correction: str = _choice("none", IS_CORRECTIONS)
     is_cap: float = _param(2.0, ">= 1", lambda v: v >= 1)
     is_level: str = _choice("token", IS_LEVELS)
+    distill_coef: float = _param(0.0, ">= 0", lambda v: v >= 0)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             check_param(f.name, getattr(self, f.name), prefix="loss.")
+        check(
+            not (self.distill_coef > 0 and ADVANTAGES[self.advantage].needs_teacher),
+            "loss.distill_coef",
+            self.distill_coef,
+            f"0 with advantage={self.advantage!r}, which is the distillation advantage "
+            "alone (distill_coef mixes it into an RL advantage)",
+        )
 
     def replace(self, **changes: Any) -> LossSpec:
         return dataclasses.replace(self, **changes)
@@ -194,6 +213,12 @@ class LossSpec:
     def needs_reference(self) -> bool:
         """Log-probs of the frozen reference policy (a KL loss term or a KL reward)."""
         return self.kl_coef > 0 or self.reward_kl_coef > 0
+
+    @property
+    def needs_teacher(self) -> bool:
+        """A teacher's log-probs of the sampled tokens (on-policy distillation, alone or
+        mixed into an RL advantage)."""
+        return ADVANTAGES[self.advantage].needs_teacher or self.distill_coef > 0
 
     @property
     def needs_entropy(self) -> bool:
@@ -290,6 +315,12 @@ PRESETS: dict[str, LossSpec] = {
     "gspo": LossSpec(policy_loss="gspo", eps_low=3e-4, eps_high=4e-4),
     # CISPO (MiniMax-M1 2025): clipped IS weight, no lower bound, token-level mean.
     "cispo": LossSpec(policy_loss="cispo", eps_low=1.0, eps_high=0.28, aggregation="token_mean"),
+    # On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025): the
+    # per-token advantage -(log pi_old - log pi_teacher) on the student's own samples,
+    # rewards unused, token-level mean (each token is its own decision), and truncated IS
+    # against the sampler's log-probs over the staleness, as for RL. The clip keeps the
+    # usual PPO trust region when a batch takes several updates.
+    "opd": LossSpec(advantage="opd", aggregation="token_mean", is_correction="tis"),
 }
 
 # Rollout-side parts of a preset: DAPO's dynamic sampling and soft overlong punishment (Yu

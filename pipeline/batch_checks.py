@@ -24,6 +24,7 @@ from pipeline.rollouts import (
     FULL_SCHEMA,
     KINDS,
     SCHEMA,
+    TEACHER_TYPE,
     RolloutBatch,
     batch_from_table,
     routing_dtype,
@@ -57,6 +58,9 @@ class BatchLimits:
     # per token); 0, 0 for a dense model, whose batches carry no routing.
     num_experts: int = 0
     routing_width: int = 0
+    # The run distils from a teacher (`distill.teacher`): every batch carries the teacher's
+    # log-probs; without one, no batch may.
+    teacher: bool = False
 
 
 def read_checked(data: bytes, limits: BatchLimits) -> RolloutBatch | None:
@@ -203,6 +207,58 @@ def _check_tokens(table: pa.Table, lim: BatchLimits) -> None:
             raise BadBatchError(f"row {mask_rows[_first(wrong)]}: loss_mask holds values not 0/1")
     if "routing" in table.column_names:
         _check_routing(table, lim, lengths_of["prompt_ids"] + completion_len)
+    _check_teacher(table, lim, completion_len)
+
+
+def _check_teacher(table: pa.Table, lim: BatchLimits, completion_len: np.ndarray) -> None:
+    """The teacher's log-probs (`pipeline.rollouts`): present exactly in a run with a
+    teacher, one finite log-probability per completion token, 0 off the loss mask."""
+    present = "teacher_logprobs" in table.column_names
+    if present != lim.teacher:
+        raise BadBatchError(
+            "has a teacher_logprobs column, but the run has no teacher (distill.teacher)"
+            if present
+            else "lacks the teacher_logprobs column; the run distils from a teacher "
+            "(distill.teacher), so every batch carries the teacher's log-probs"
+        )
+    if not present:
+        return
+    got = table.schema.field("teacher_logprobs").type
+    if got != TEACHER_TYPE:
+        raise BadBatchError(f"column teacher_logprobs is {got}; expected {TEACHER_TYPE}")
+    values, rows, lengths = _lists(table, "teacher_logprobs")
+    wrong = lengths != completion_len
+    if wrong.any():
+        row = _first(wrong)
+        raise BadBatchError(
+            f"row {row}: teacher_logprobs has {lengths[row]} entries for "
+            f"{completion_len[row]} completion tokens; they must match"
+        )
+    wrong = ~np.isfinite(values) | (values > MAX_LOGPROB)
+    if wrong.any():
+        at = _first(wrong)
+        raise BadBatchError(
+            f"row {rows[at]}: teacher_logprobs holds {values[at]}; a log-probability is "
+            "finite and <= 0"
+        )
+    if "loss_mask" in table.column_names:
+        arr = table.column("loss_mask").combine_chunks()
+        # A null row's mask is all ones; the stored rows line up with the teacher's values.
+        mask = np.ones(len(values), np.int64)
+        lens = pc.fill_null(pc.list_value_length(arr), -1).to_numpy(zero_copy_only=False)
+        flat = arr.flatten().to_numpy(zero_copy_only=False)
+        starts = np.concatenate([[0], np.cumsum(completion_len)])
+        at = 0
+        for row in np.flatnonzero(lens >= 0):
+            mask[starts[row] : starts[row + 1]] = flat[at : at + lens[row]]
+            at += lens[row]
+        wrong = (mask == 0) & (values != 0)
+        if wrong.any():
+            at = _first(wrong)
+            raise BadBatchError(
+                f"row {rows[at]}: teacher_logprobs holds {values[at]} on a token off the "
+                "loss mask; allowed: 0 (context the policy did not sample)"
+            )
 
 
 def _check_routing(table: pa.Table, lim: BatchLimits, tokens: np.ndarray) -> None:

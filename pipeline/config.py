@@ -33,6 +33,7 @@ from pipeline.config_io import (  # noqa: F401 - re-exported for their many call
     override_section,
     parse_overrides,
 )
+from pipeline.distill import DistillConfig
 from pipeline.environments.config import EnvironmentConfig
 from pipeline.errors import ConfigError
 from pipeline.errors import check as _check
@@ -719,6 +720,7 @@ class RunConfig:
     paramserver: ParamServerConfig = field(default_factory=ParamServerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         _check(self.seed >= 0, "seed", self.seed, ">= 0")
@@ -782,6 +784,17 @@ class RunConfig:
             self.sampler.engine,
             f"one of {', '.join(ROUTING_ENGINES)} with trainer.routing_replay: true (the "
             "samplers that record the routers' choices)",
+        )
+        spec = algorithms.loss_spec(self.trainer.algorithm, **self.trainer.loss_overrides())
+        _check(
+            spec.needs_teacher == self.distill.enabled,
+            "distill.teacher",
+            self.distill.teacher,
+            "a teacher run's URL with trainer.algorithm: opd or trainer.distill_coef > 0 (the "
+            "objective reads the teacher's log-probs)"
+            if spec.needs_teacher
+            else "empty unless trainer.algorithm is opd or trainer.distill_coef > 0 (nothing "
+            "else reads a teacher; scoring with one costs a forward pass per batch)",
         )
         if self.model.moe and self.lora.enabled:
             experts = [t for t in self.lora.targets if TARGETS[t].startswith("mlp.")]

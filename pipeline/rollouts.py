@@ -30,6 +30,12 @@ token the sampler never ran (a completion's last token: nothing was sampled afte
 all E, as is a row made without recording; the trainer routes those itself. The column
 exists only when a batch carries routing (None: absent), so a dense run's batch bytes are
 those of a batch without it.
+
+On-policy distillation (`distill.teacher`, `pipeline.distill`): `teacher_logprobs` holds,
+per completion token, the pinned teacher's log-prob of that token given the row's prompt
+and the tokens before it (at the sampler's temperature, as `behaviour_logprobs`), 0 where
+the loss mask is 0 (context the policy did not sample). Like `routing`, the column exists
+only in a run with a teacher.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ OPTIONAL_FIELDS = [
 # The per-row columns of tool episodes (null on single-turn rows).
 EPISODE_FIELDS = ("turns", "tool_calls", "tool_errors")
 FULL_SCHEMA = pa.schema([*SCHEMA, *OPTIONAL_FIELDS])
+# The teacher's log-probs (on-policy distillation); written only when present.
+TEACHER_TYPE = pa.list_(pa.float32())
 # The routing column's element types (numpy -> Arrow); written only when present.
 ROUTING_TYPES = {np.dtype(np.uint8): pa.uint8(), np.dtype(np.uint16): pa.uint16()}
 
@@ -108,6 +116,9 @@ class RolloutBatch:
     # Routing replay: per row, [prompt + completion tokens, layers, k] flattened (module
     # docstring); None: not recorded (every dense run).
     routing: list[np.ndarray] | None = None
+    # On-policy distillation: the teacher's log-prob of every completion token (module
+    # docstring); None: the run has no teacher.
+    teacher_logprobs: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_id)
@@ -161,6 +172,9 @@ def to_parquet_bytes(batch: RolloutBatch) -> bytes:
     if batch.routing is not None:
         columns["routing"] = _routing_column(batch)
         schema = schema.append(pa.field("routing", columns["routing"].type))
+    if batch.teacher_logprobs is not None:
+        columns["teacher_logprobs"] = _teacher_column(batch)
+        schema = schema.append(pa.field("teacher_logprobs", TEACHER_TYPE))
     table = pa.table(
         {
             "batch_index": np.full(n, batch.batch_index, np.int64),
@@ -217,6 +231,19 @@ def _routing_column(batch: RolloutBatch) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, ROUTING_TYPES[dtype]))
 
 
+def _teacher_column(batch: RolloutBatch) -> list[list[float]]:
+    rows = batch.teacher_logprobs
+    if len(rows) != len(batch):
+        raise ValueError(f"rollout batch has {len(rows)} teacher_logprobs rows for {len(batch)}")
+    for i, r in enumerate(rows):
+        if len(r) != len(batch.completion_ids[i]):
+            raise ValueError(
+                f"row {i}: teacher_logprobs has {len(r)} entries for "
+                f"{len(batch.completion_ids[i])} completion tokens; they must match"
+            )
+    return [list(r) for r in rows]
+
+
 def from_parquet_bytes(data: bytes) -> RolloutBatch:
     """A batch from its Parquet bytes, unchecked (the trainer reads through
     `pipeline.batch_checks.read_checked`)."""
@@ -249,6 +276,7 @@ def batch_from_table(table: pa.Table) -> RolloutBatch:
         loss_mask=cols.get("loss_mask"),
         **{name: cols.get(name) for name in EPISODE_FIELDS},
         routing=_routing_rows(table),
+        teacher_logprobs=cols.get("teacher_logprobs"),
     )
 
 

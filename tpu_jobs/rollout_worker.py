@@ -67,6 +67,7 @@ from tpu_jobs.generate.episodes import sample_rows
 from tpu_jobs.generate.interface import sampling_params
 from tpu_jobs.generate.policy import load_policy
 from tpu_jobs.generate.sample_verify import JUDGE_STREAM, ROLLOUT_STREAM, sample_keys
+from tpu_jobs.generate.teacher import TeacherScorer
 from tpu_jobs.learning.losses import filter_constant_groups, overlong_penalty
 from tpu_jobs.model.judge import suffix_ids
 
@@ -150,6 +151,8 @@ class RolloutWorker:
         self._refusals = 0
         self.batches_done = 0
         self.last_stats: dict[str, Any] = {}  # dynamic-sampling / judge stats of the last batch
+        # On-policy distillation: the pinned teacher scores every row before it is committed.
+        self.teacher = TeacherScorer(run, log=log) if self.cfg.distill.enabled else None
 
     def request_stop(self, *_: Any) -> None:
         self._stop = True
@@ -348,6 +351,13 @@ class RolloutWorker:
                 ]
             self.last_stats["judge_groups"] = n_judge
             self.last_stats["judge_reward_mean"] = float(np.mean(judge["rw"]))
+        teacher_logprobs = None
+        if self.teacher is not None:
+            t0 = time.perf_counter()
+            teacher_logprobs = self.teacher.score(
+                cols["pr"], cols["co"], masks if n_judge or episodes else None
+            )
+            self.last_stats["teacher_s"] = time.perf_counter() - t0
         return RolloutBatch(
             batch_index=index,
             prompt_pos=np.asarray(cols["pos"], np.int64),
@@ -366,6 +376,7 @@ class RolloutWorker:
             loss_mask=masks if n_judge or episodes else None,
             **({name: values for name, values in ep_cols.items()} if episodes else {}),
             routing=routing,
+            teacher_logprobs=teacher_logprobs,
         )
 
     def records_routing(self, parts: list[tuple[dict[str, Any], np.ndarray]]) -> bool:

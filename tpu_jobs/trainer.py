@@ -304,6 +304,7 @@ class Trainer:
             allow_empty=tc.uses_dynamic_sampling(),
             num_experts=cfg.model.num_experts,
             routing_width=cfg.model.num_layers * cfg.model.num_experts_per_tok,
+            teacher=cfg.distill.enabled,
         )
 
     def _heal(self, state: TrainerState) -> None:

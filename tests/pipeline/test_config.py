@@ -217,6 +217,8 @@ BAD_VALUES = {
     "trainer.vf_coef": -1,
     "trainer.value_clip": 0,
     "trainer.is_cap": 0.5,
+    "trainer.distill_coef": -0.5,
+    "distill.teacher_version": "v3",  # "latest", "base" or a number
     "trainer.mini_batches": 0,
     "trainer.epochs": 0,
     "trainer.value_lr_mult": 0,
@@ -577,6 +579,7 @@ def test_environment_section_names_the_known_environments_and_fits_the_model():
 # the digest unchanged (and a config.json without it loads to the same config).
 NEW_KEYS = (
     "lora",
+    "distill",
     "trainer.judge_loss_weight",
     "trainer.routing_replay",
     *(
@@ -662,6 +665,7 @@ def test_each_section_lives_with_its_owner_and_none_reaches_back_to_the_run_conf
         "pipeline.tracking": "TrackingConfig",
         "pipeline.mesh": "MeshConfig",
         "pipeline.lora": "LoraConfig",
+        "pipeline.distill": "DistillConfig",
     }
     hints = {f.name: f.type for f in fields(RunConfig)}
     assert set(sections.values()) <= set(hints.values())

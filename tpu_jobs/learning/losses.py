@@ -451,6 +451,34 @@ def gae_advantages(
     return AdvantageResult(adv, returns, _adv_metrics(adv, mask, rewards, extra))
 
 
+def distill_advantages(logp_student: Array, logp_teacher: Array, mask: Array) -> Array:
+    """[B, T] on-policy distillation advantage -(log pi_student - log pi_teacher) of each
+    sampled token, 0 on masked tokens: minus the one-sample estimate of the reverse KL's
+    per-token term, so a policy gradient on it lowers KL(pi_student || pi_teacher) over
+    the states the student visits (Agarwal et al. 2024; Thinking Machines 2025, with a
+    discount of 0: each token's advantage is its own term, not a return)."""
+    diff = _clean(logp_student, mask) - _clean(logp_teacher, mask)
+    return jnp.where(_fmask(mask) > 0, -diff, 0.0)
+
+
+def opd_advantages(
+    rewards: Array,
+    mask: Array,
+    *,
+    logp_old: Array | None = None,
+    logp_teacher: Array | None = None,
+    **_: Any,
+) -> AdvantageResult:
+    """The `opd` preset's advantage: `distill_advantages` of pi_old (rewards are reported,
+    not used)."""
+    if logp_old is None or logp_teacher is None:
+        raise ValueError(
+            "advantage 'opd' needs logp_old and logp_teacher (the teacher's log-probs)"
+        )
+    adv = distill_advantages(logp_old, logp_teacher, mask)
+    return AdvantageResult(adv, None, _adv_metrics(adv, mask, rewards))
+
+
 ADVANTAGES: dict[str, Callable[..., AdvantageResult]] = implementations(
     algorithms.ADVANTAGES,
     {
@@ -461,6 +489,7 @@ ADVANTAGES: dict[str, Callable[..., AdvantageResult]] = implementations(
         "reinforce_pp": reinforce_pp_advantages,
         "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
         "gae": gae_advantages,
+        "opd": opd_advantages,
     },
 )
 
@@ -916,25 +945,56 @@ def compute_advantages(
     logp_old: Array | None = None,
     logp_ref: Array | None = None,
     values: Array | None = None,
+    logp_teacher: Array | None = None,
 ) -> AdvantageResult:
     """Run `spec.advantage` with the spec's hyper-parameters. Call it once per rollout batch
     (whole groups) before splitting into micro-batches / PPO epochs. `values` are the
-    rollout-time critic values (GAE only)."""
-    return ADVANTAGES[spec.advantage](
+    rollout-time critic values (GAE only). `logp_teacher` [B, T]: a teacher's log-probs of
+    the sampled tokens, needed when `spec.needs_teacher`; with `spec.distill_coef` > 0,
+    that times the distillation advantage is added to every sampled token's advantage
+    (the mixed mode). Either way the metrics gain `reverse_kl`, the mean of
+    log pi_old - log pi_teacher over sampled tokens (the one-sample reverse-KL estimate)."""
+    if spec.needs_teacher and (logp_teacher is None or logp_old is None):
+        raise ValueError(
+            f"advantage={spec.advantage!r}, distill_coef={spec.distill_coef} needs logp_old "
+            "and logp_teacher (a teacher's log-probs of the sampled tokens, distill.teacher)"
+        )
+    logp_old = None if logp_old is None else jax.lax.stop_gradient(logp_old)
+    logp_teacher = None if logp_teacher is None else jax.lax.stop_gradient(logp_teacher)
+    res = ADVANTAGES[spec.advantage](
         rewards,
         mask,
         group_size=group_size,
         group_ids=group_ids,
         eps=spec.adv_eps,
         global_baseline=spec.global_baseline,
-        logp_old=None if logp_old is None else jax.lax.stop_gradient(logp_old),
+        logp_old=logp_old,
         logp_ref=None if logp_ref is None else jax.lax.stop_gradient(logp_ref),
         reward_kl_coef=spec.reward_kl_coef,
         gamma=spec.gamma,
         lam=spec.lam,
         whiten=spec.whiten_advantages,
         values=values,
+        logp_teacher=logp_teacher,
     )
+    if not spec.needs_teacher:
+        return res
+    metrics = dict(res.metrics)
+    metrics["reverse_kl"] = masked_mean(
+        _clean(logp_old, mask) - _clean(logp_teacher, mask), _fmask(mask)
+    )
+    advantages = res.advantages
+    if spec.distill_coef > 0:
+        advantages = _to_tokens(advantages, mask) + spec.distill_coef * distill_advantages(
+            logp_old, logp_teacher, mask
+        )
+        metrics.update(
+            {
+                "adv_mean": masked_mean(advantages, mask),
+                "adv_std": masked_std(advantages, mask),
+            }
+        )
+    return AdvantageResult(advantages, res.returns, metrics)
 
 
 def compute_loss(
@@ -955,6 +1015,7 @@ def compute_loss(
     entropy: Array | None = None,
     norm: Any = None,
     row_weight: Array | None = None,
+    logp_teacher: Array | None = None,
 ) -> tuple[Array, Metrics]:
     """The full objective of `spec` (a scalar to minimise) and its metrics.
 
@@ -969,6 +1030,8 @@ def compute_loss(
     `row_weight` [B] multiplies every per-token loss part of a row before aggregation (the
     denominators still count the row as one sequence / its tokens): learning to judge's
     `trainer.judge_loss_weight`. None: every row weighs 1 (the same program as before).
+    `logp_teacher` [B, T]: a teacher's log-probs of the sampled tokens, when `rewards` are
+    given and `spec.needs_teacher` (`compute_advantages`).
 
     Metrics (scalars): loss, pg_loss, the policy loss's clip/ratio metrics, kl_ref (k3 mean,
     if logp_ref given), kl_loss, entropy (if given), neg_logp_mean (entropy proxy: mean
@@ -989,6 +1052,7 @@ def compute_loss(
             logp_old=logp_old,
             logp_ref=logp_ref,
             values=old_values,
+            logp_teacher=logp_teacher,
         )
         advantages = res.advantages
         if returns is None:

@@ -105,6 +105,9 @@ class StepInputs(NamedTuple):
     # [R, P + C, layers, k] int32, the sampler's recorded experts to replay (MoE,
     # trainer.routing_replay; `pack_routing`), or None: the trainer's routers choose.
     routing: Any = None
+    # [R, C] float32, a teacher's log-probs of the sampled tokens (on-policy distillation,
+    # `LossSpec.needs_teacher`: the batch's teacher_logprobs), or None.
+    logp_teacher: Any = None
 
 
 def _arrays(inp: StepInputs, convert: Callable[[Any], Any]) -> StepInputs:
@@ -286,6 +289,7 @@ def _head_loss(spec: LossSpec, group_size: int, recompute: bool):
             entropy=entropy,
             norm=norm,
             row_weight=inp.row_weight,
+            logp_teacher=inp.logp_teacher,
             **extra,
         )
         metrics = dict(metrics)
@@ -324,6 +328,7 @@ def head_programs(spec: LossSpec, group_size: int, recompute: bool):
             logp_old=logp_old,
             logp_ref=logp_ref,
             values=values,
+            logp_teacher=inp.logp_teacher,
         )
         pre = Prepared(logp_old, logp, logp_ref, values, res.advantages, res.returns)
         metrics = dict(res.metrics)
@@ -749,4 +754,17 @@ class Learner:
                 (m.num_layers, m.num_experts_per_tok),
                 m.num_experts,
             )
-        return StepInputs(tokens, mask, comp_mask, logp_b, rewards, row_weight, routing)
+        logp_teacher = None
+        if self.spec.needs_teacher:
+            if batch.teacher_logprobs is None:
+                raise ValueError(
+                    f"batch {batch.batch_index} has no teacher_logprobs; the objective "
+                    f"(advantage={self.spec.advantage!r}, distill_coef="
+                    f"{self.spec.distill_coef}) needs them (distill.teacher)"
+                )
+            logp_teacher = pad_values(
+                list(batch.teacher_logprobs) + [[]] * pad, self.completion_len
+            )
+        return StepInputs(
+            tokens, mask, comp_mask, logp_b, rewards, row_weight, routing, logp_teacher
+        )

@@ -1,0 +1,214 @@
+"""On-policy distillation's teacher, pinned and stored under the run.
+
+A run with `distill.teacher` set learns from a teacher's per-token log-probs on its own
+samples: the rollout worker scores every sampled token with the teacher
+(`tpu_jobs.generate.teacher`) and writes the log-probs into the batch
+(`pipeline.rollouts`, `teacher_logprobs`); the `opd` preset's advantage is
+-(log pi_old - log pi_teacher), and `trainer.distill_coef` mixes it into an RL preset's
+(`pipeline.algorithms`).
+
+The teacher is a snapshot of another run: `distill.teacher_version` "latest" (that run's
+newest version when the teacher is pinned), "base" (its base: an HF checkpoint imported
+with `rlax import-hf PATH --run URL`, or its SFT base), or a version number. The first job
+of the run that needs it (a rollout worker, `pin_teacher`) resolves that
+once and stores the teacher under the run, as the base is stored:
+
+    teacher/pin.json             {"run", "version", "digest", "tokenizer", ...}, create-only
+    teacher/config.json          the teacher run's config (its model's shape)
+    teacher/weights/v00000000/   the snapshot (a LoRA teacher's adapters merged)
+
+Later jobs, retries and resumes read the pin, never the teacher run again, so a run's
+teacher cannot change under it; the copy is checked against the pinned digest when it is
+loaded. A teacher must encode text as the student does: the same `model.tokenizer`, and
+for an imported tokenizer the same tokenizer.json bytes. Anything else is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pipeline.errors import ConfigError
+from pipeline.layout import BASE_PREFIX, CONFIG_KEY, HF_PREFIX
+
+if TYPE_CHECKING:
+    from pipeline.paramserver import ParamServer
+    from pipeline.run import Run
+
+TEACHER_PREFIX = "teacher"
+PIN_KEY = f"{TEACHER_PREFIX}/pin.json"
+TEACHER_CONFIG_KEY = f"{TEACHER_PREFIX}/{CONFIG_KEY}"
+
+
+class TeacherError(RuntimeError):
+    """The teacher cannot be pinned or loaded; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class TeacherPin:
+    """What a run distils from, as pinned in `teacher/pin.json`."""
+
+    run: str  # the teacher run's URL
+    version: int | str  # its version number, or "base"
+    digest: str  # `pipeline.paramserver.adapters.base_digest` of the snapshot
+
+    def describe(self) -> str:
+        where = "base" if self.version == "base" else f"v{self.version}"
+        return f"{self.run} @ {where} ({self.digest[:19]})"
+
+
+def teacher_server(run: Run) -> ParamServer:
+    """The run's pinned teacher: version 0 of a parameter server under `teacher/`."""
+    from pipeline.paramserver import ParamServer
+
+    return ParamServer(run.store.child(TEACHER_PREFIX))
+
+
+def read_pin(run: Run) -> TeacherPin | None:
+    """The run's pinned teacher, or None before it is pinned."""
+    if not run.store.exists(PIN_KEY):
+        return None
+    record = json.loads(run.store.read(PIN_KEY))
+    return TeacherPin(record["run"], record["version"], record["digest"])
+
+
+def tokenizer_identity(run: Run) -> dict[str, Any]:
+    """How `run` encodes text: its tokenizer's name and, for an imported (hf) tokenizer,
+    the sha256 of its tokenizer.json."""
+    name = run.config.model.tokenizer
+    out: dict[str, Any] = {"name": name}
+    if name == "hf":
+        key = f"{BASE_PREFIX}/{HF_PREFIX}/tokenizer.json"
+        if not run.store.exists(key):
+            raise TeacherError(f"{run.url} has model.tokenizer=hf but no {key}")
+        out["sha256"] = hashlib.sha256(run.store.read(key)).hexdigest()
+    return out
+
+
+def _resolve(teacher: Run, version: str) -> tuple[ParamServer, int | str, int]:
+    """(server, pinned version, version on that server) of `version` in `teacher`."""
+    from pipeline.run import base_server, weights_server
+
+    if version == "base":
+        server = base_server(teacher)
+        found = server.latest_version()
+        if found is None:
+            raise TeacherError(
+                f"teacher run {teacher.url} has no base snapshot yet (run its SFT, or "
+                f"`rlax import-hf PATH --run {teacher.url}`)"
+            )
+        return server, "base", found
+    server = weights_server(teacher)
+    published = server.versions()
+    if version == "latest":
+        if not published:
+            raise TeacherError(
+                f"teacher run {teacher.url} has published no version yet; train it first "
+                "or set distill.teacher_version=base"
+            )
+        return server, max(published), max(published)
+    if int(version) not in published:
+        raise TeacherError(
+            f"teacher run {teacher.url} has no version {int(version)}; published: "
+            + (", ".join(map(str, sorted(published)[-10:])) or "none")
+            + " (or distill.teacher_version=latest / base)"
+        )
+    return server, int(version), int(version)
+
+
+def pin_teacher(run: Run, *, wait_s: float = 600.0) -> TeacherPin:
+    """The run's teacher, copied under the run and pinned the first time (module doc).
+
+    Safe to call from every job at once: the copy is version 0 of the run's teacher server
+    (create-only, one writer epoch wins), and the pin is written from that copy's
+    manifest, so every caller pins the snapshot that was copied."""
+    from pipeline.paramserver import StaleEpochError
+    from pipeline.paramserver.adapters import base_digest
+
+    cfg = run.config.distill
+    if not cfg.enabled:
+        raise ConfigError("distill.teacher is empty: this run has no teacher")
+    pin = read_pin(run)
+    if pin is not None:
+        return pin
+    server = teacher_server(run)
+    if not server.versions():
+        try:
+            _copy_teacher(run, server)
+        except StaleEpochError:
+            # Another job of the run copies it at this moment: wait for its version 0.
+            deadline = time.monotonic() + wait_s
+            while not server.versions():
+                if time.monotonic() > deadline:
+                    raise TeacherError(
+                        f"another job began copying the teacher to {run.url}/"
+                        f"{TEACHER_PREFIX} and has not finished within {wait_s:.0f} s"
+                    ) from None
+                time.sleep(1.0)
+    manifest = server.manifest(0)
+    meta = manifest.get("metadata") or {}
+    record = {
+        "run": meta["run"],
+        "version": meta["version"],
+        "digest": base_digest(manifest),
+        "tokenizer": meta["tokenizer"],
+        "requested": cfg.teacher_version,
+    }
+    run.store.write_new(PIN_KEY, json.dumps(record, sort_keys=True).encode())
+    pin = read_pin(run)
+    assert pin is not None
+    return pin
+
+
+def _copy_teacher(run: Run, server: ParamServer) -> None:
+    """Resolve the configured teacher, check its tokenizer and publish it as `server`'s
+    version 0 (its config next to it)."""
+    from pipeline.paramserver import ParamServer
+    from pipeline.paramserver.adapters import PolicyReader
+    from pipeline.run import Run, RunError, base_server
+
+    cfg = run.config.distill
+    try:
+        teacher = Run.open(cfg.teacher)
+    except RunError as err:
+        raise TeacherError(f"distill.teacher={cfg.teacher!r}: {err}") from None
+    mine, theirs = tokenizer_identity(run), tokenizer_identity(teacher)
+    if mine != theirs:
+        raise TeacherError(
+            f"the teacher {cfg.teacher} encodes text with {theirs}, this run with {mine}; a "
+            "teacher must share the student's tokenizer (it scores the student's token ids)"
+        )
+    source, version, on_source = _resolve(teacher, cfg.teacher_version)
+    if version == "base":
+        snap = source.pull(on_source)
+    else:  # the teacher as it samples: a LoRA teacher's adapters merged into its base
+        snap = PolicyReader(ParamServer(teacher.store), base_server(teacher)).pull(on_source)
+    run.store.write_new(TEACHER_CONFIG_KEY, teacher.store.read(CONFIG_KEY))
+    server.publish(
+        0,
+        dict(snap.tensors),
+        epoch=server.acquire_epoch(),
+        metadata={"source": "teacher", "run": teacher.url, "version": version, "tokenizer": theirs},
+    )
+
+
+def teacher_config(run: Run) -> Any:
+    """The pinned teacher run's `RunConfig` (its `model` is the teacher's shape)."""
+    from pipeline.config import config_from_json
+
+    return config_from_json(run.store.read(TEACHER_CONFIG_KEY).decode())
+
+
+def check_copy(run: Run, pin: TeacherPin) -> None:
+    """Raise TeacherError unless the run's teacher copy is the pinned snapshot."""
+    from pipeline.paramserver.adapters import base_digest
+
+    got = base_digest(teacher_server(run).manifest(0))
+    if got != pin.digest:
+        raise TeacherError(
+            f"the teacher copy under {run.url}/{TEACHER_PREFIX} has digest {got[:19]}, but "
+            f"{pin.describe()} is pinned; delete {TEACHER_PREFIX}/weights to copy it again"
+        )
