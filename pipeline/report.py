@@ -813,6 +813,7 @@ def plot_distill(
     pts = [(t["step"], t["reverse_kl"]) for t in train if "reverse_kl" in t]
     ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 30 else None)
     ax1.set_xlabel("trainer step")
+    ax1.xaxis.get_major_locator().set_params(integer=True)
     ax1.set_ylabel("mean log pi_old - log pi_teacher")
     ax1.grid(alpha=0.3)
     ax1.set_title("reverse KL to the teacher (sampled tokens)", fontsize=10)
