@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ALGORITHMS, MODEL_PRESETS, ConfigError, RunConfig, load_config
+from pipeline.distill import NAMED_VERSIONS as TEACHER_NAMED_VERSIONS
 from pipeline.lora import MAX_RANK as MAX_LORA_RANK
 from pipeline.storage import local_path, safe_name
 from pipeline.tasks import TASKS
@@ -57,6 +58,8 @@ CONFIG_FILE_PATTERN = rf"^{NO_DOTDOT}[A-Za-z0-9_][A-Za-z0-9._/-]*\.ya?ml$"
 # and line breaks silently; a path never needs them here).
 PATH_PATTERN = r"^\S+$"
 OVERRIDE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*=.*$"
+# distill.teacher_version: a named version of the teacher run, or a version number.
+TEACHER_VERSION_PATTERN = rf"^({'|'.join(TEACHER_NAMED_VERSIONS)}|[0-9]+)$"
 
 # What the form shows next to each pattern: Airflow's form checks a pattern only when
 # the run is triggered and then answers with the raw JSON schema, so the rule is spelled
@@ -214,6 +217,37 @@ def rl_params() -> dict[str, Any]:
         ),
         "algorithm": opt_choice("Algorithm", "RL algorithm.", ALGORITHMS, "RL"),
         "steps": opt_int("RL steps", "Trainer steps:", 1, 10_000_000, "RL"),
+        # On-policy distillation (pipeline.distill): the config's own checks refuse a
+        # teacher without an objective that reads one, and the reverse.
+        "teacher": opt_path(
+            "Teacher run",
+            "On-policy distillation: the teacher run's URL (a directory, relative to the "
+            "project or absolute, or gs://...; no spaces), with Algorithm opd or a "
+            "Distillation coefficient > 0; it must share the run's tokenizer. Empty: the "
+            "config file's (none: no teacher).",
+            "Distillation",
+        ),
+        "teacher_version": Param(
+            None,
+            type=["null", "string"],
+            title="Teacher version",
+            description="Which snapshot of the teacher run: latest (its newest version "
+            "when the run pins it), base (its base model), or a version number. Empty: the "
+            "config file's (latest).",
+            pattern=TEACHER_VERSION_PATTERN,
+            section="Distillation",
+        ),
+        "distill_coef": Param(
+            None,
+            type=["null", "number"],
+            title="Distillation coefficient",
+            description="Mixed mode: this weight times the distillation advantage "
+            "-(log pi_old - log pi_teacher) is added to the RL algorithm's advantage; 0 "
+            "off (with Algorithm opd the distillation advantage is the whole objective: "
+            "leave this empty or 0). 0 or more. Empty: the config file's.",
+            minimum=0,
+            section="Distillation",
+        ),
         "workers": opt_int(
             "Rollout workers",
             "Rollout worker tasks running next to the trainer:",
@@ -284,8 +318,17 @@ def config_from_params(params: Mapping[str, Any], model_overrides: Sequence[str]
             trainer[field] = params[param]
     if params.get("max_staleness") is not None:
         trainer["max_staleness"] = params["max_staleness"]
+    if params.get("distill_coef") is not None:
+        trainer["distill_coef"] = params["distill_coef"]
     if trainer:
         extra["trainer"] = trainer
+    distill: dict[str, Any] = {}
+    if params.get("teacher"):
+        distill["teacher"] = resolve_root(params["teacher"])
+    if params.get("teacher_version"):
+        distill["teacher_version"] = str(params["teacher_version"])
+    if distill:
+        extra["distill"] = distill
     if params.get("workers") is not None:
         extra["workers"] = params["workers"]
     if params.get("eval_k") is not None:

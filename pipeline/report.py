@@ -8,6 +8,8 @@ Reads only what the roles wrote (metrics records, eval summaries); never recompu
     report/judge_buckets.png self-judgment (and ORM) precision / recall by difficulty tercile
     report/judge_vs_pass.png co-evolution per version: pass@1, judge accuracy and AUCs
                              (within-problem too), self_prm@k - maj@k, judge vs pass@1
+    report/distill.png       a run with a teacher (on-policy distillation): the reverse KL
+                             to the teacher per step, the gap to the teacher per version
 
 Where self_prm@k appears, the report says what judged: `judge_provenance` of the run's
 config (RL judge groups, SFT verdicts only, or a judge nothing trained).
@@ -29,8 +31,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.algorithms import loss_spec
 from pipeline.config import RunConfig
+from pipeline.layout import TEACHER_EVAL, eval_key, teacher_stream
 from pipeline.run import REPORT_PREFIX, Run
+from pipeline.teacher import read_pin
 from pipeline.tracking import TrackedRun
 
 REPORT_KEY = f"{REPORT_PREFIX}/report.md"
@@ -511,6 +516,10 @@ def build_report(run: Run) -> str:
             pngs[f"{REPORT_PREFIX}/judge_vs_pass.png"] = plot_judge_vs_pass(evals, judge)
             lines += ["", "![co-evolution of judging and solving](judge_vs_pass.png)", ""]
     lines += _tools_section(run, train, evals)
+    if cfg.distill.enabled:
+        distill_lines, distill_pngs = _distill_section(run, train, evals)
+        lines += distill_lines
+        pngs.update(distill_pngs)
     lines += _orm_section(run)
     lines += _glossary(evals, streams, judge)
     md = "\n".join(lines)
@@ -693,6 +702,199 @@ def _tools_section(run: Run, train: list[dict[str, Any]], evals: list[dict[str, 
             "trainer's step.",
         ]
     return lines
+
+
+# ------------------------------------------------------------ on-policy distillation
+
+DISTILL_PNG = f"{REPORT_PREFIX}/distill.png"
+REVERSE_KL_ROWS = 6  # steps of the reverse-KL table: the first, the last, evenly between
+
+
+def spread(items: Sequence[Any], count: int) -> list[Any]:
+    """At most `count` of `items`, evenly spaced, the first and the last included."""
+    if len(items) <= count:
+        return list(items)
+    last = len(items) - 1
+    picks = sorted({round(i * last / (count - 1)) for i in range(count)})
+    return [items[i] for i in picks]
+
+
+def per_problem_pass(columns: dict[str, Sequence[Any]], k: int) -> dict[str, float] | None:
+    """{problem_id: pass@k} from an evaluation's per-sample columns (`problem_id`,
+    `reward`; a sample is correct at reward >= 1, as the evaluator counts it); None when
+    a problem has fewer than k samples."""
+    import numpy as np
+
+    from pipeline.metrics import pass_at_k_array
+
+    order = list(dict.fromkeys(columns["problem_id"]))
+    index = {pid: i for i, pid in enumerate(order)}
+    rows = np.asarray([index[pid] for pid in columns["problem_id"]])
+    correct = np.asarray(columns["reward"], np.float64) >= 1.0
+    n = np.bincount(rows, minlength=len(order))
+    c = np.bincount(rows, weights=correct, minlength=len(order)).astype(np.int64)
+    if n.min(initial=k) < k:
+        return None
+    return dict(zip(order, pass_at_k_array(n, c, k).tolist(), strict=True))
+
+
+def teacher_gap(
+    student: dict[str, Sequence[Any]],
+    teacher: dict[str, Sequence[Any]],
+    k: int,
+    *,
+    n_boot: int,
+    seed: int,
+) -> dict[str, float] | None:
+    """The student's pass@k minus the teacher's, paired per problem: {mean, lo, hi}, the
+    95% percentile bootstrap over problems of the per-problem differences (the interval
+    self_prm_vs_maj@k has, `pipeline.metrics.bootstrap_ci`). Each side: per-sample
+    columns (`problem_id`, `reward`) of one evaluation. None when they cannot be paired:
+    other problems, or a problem with fewer than k samples."""
+    import numpy as np
+
+    from pipeline.metrics import bootstrap_ci
+
+    mine, theirs = per_problem_pass(student, k), per_problem_pass(teacher, k)
+    if mine is None or theirs is None or set(mine) != set(theirs):
+        return None
+    diff = np.asarray([mine[pid] - theirs[pid] for pid in mine])
+    mean, lo, hi = bootstrap_ci(diff, n_boot=n_boot, seed=seed)
+    return {"mean": mean, "lo": lo, "hi": hi}
+
+
+def gap_names(teacher: dict[str, Any], evals: list[dict[str, Any]]) -> list[str]:
+    """pass@1 and pass@k at the largest k that the teacher's record and a version's hold."""
+    ks = {int(n[5:]) for n in teacher["metrics"] if n.startswith("pass@") and n[5:].isdigit()}
+    ks &= {int(n[5:]) for e in evals for n in e["metrics"] if n.startswith("pass@")}
+    return [f"pass@{k}" for k in sorted({1, max(ks)} & ks)] if ks else []
+
+
+def teacher_gaps(
+    run: Run, teacher: dict[str, Any], evals: list[dict[str, Any]]
+) -> dict[int, dict[str, dict[str, float | None]]]:
+    """{version: {metric of `gap_names`: {mean, lo, hi}}}: the version's metric minus the
+    teacher's. Paired per problem from the per-sample tables (`teacher_gap`) where both
+    are stored and pair; else the difference of the records' means, without an interval
+    (lo and hi None)."""
+    from pipeline.parquet_bytes import table_from_bytes
+
+    def columns(key: str) -> dict[str, list[Any]] | None:
+        if not run.store.exists(key):
+            return None
+        return table_from_bytes(run.store.read(key)).select(["problem_id", "reward"]).to_pydict()
+
+    ec = run.config.eval
+    theirs = columns(eval_key(TEACHER_EVAL, teacher["num_samples"], ec.num_samples))
+    out: dict[int, dict[str, dict[str, float | None]]] = {}
+    for e in evals:
+        mine = columns(eval_key(e["version"], e["num_samples"], ec.num_samples))
+        row: dict[str, dict[str, float | None]] = {}
+        for name in gap_names(teacher, evals):
+            if name not in e["metrics"]:
+                continue
+            paired = None
+            if mine is not None and theirs is not None:
+                k = int(name.split("@")[1])
+                paired = teacher_gap(mine, theirs, k, n_boot=ec.bootstrap, seed=run.config.seed)
+            diff = e["metrics"][name]["mean"] - teacher["metrics"][name]["mean"]
+            row[name] = paired or {"mean": diff, "lo": None, "hi": None}
+        out[e["version"]] = row
+    return out
+
+
+def plot_distill(
+    train: list[dict[str, Any]], gaps: dict[int, dict[str, dict[str, float | None]]]
+) -> bytes:
+    """The reverse KL to the teacher per trainer step; the gap to the teacher per version
+    (student minus teacher, 95% paired intervals where there are some)."""
+    plt = _matplotlib()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    pts = [(t["step"], t["reverse_kl"]) for t in train if "reverse_kl" in t]
+    ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 30 else None)
+    ax1.set_xlabel("trainer step")
+    ax1.xaxis.get_major_locator().set_params(integer=True)
+    ax1.set_ylabel("mean log pi_old - log pi_teacher")
+    ax1.grid(alpha=0.3)
+    ax1.set_title("reverse KL to the teacher (sampled tokens)", fontsize=10)
+    names = list(dict.fromkeys(n for row in gaps.values() for n in row))
+    for name, marker in zip(names, ("o", "s"), strict=False):
+        series = [
+            (v, g[name]["mean"], g[name]["lo"], g[name]["hi"])
+            for v, g in sorted(gaps.items())
+            if name in g
+        ]
+        _errorbar(ax2, series, marker=marker, label=f"{name} student - teacher")
+    ax2.axhline(0, color="black", lw=1)  # 0: the teacher's level
+    ax2.set_xlabel("weight version")
+    ax2.xaxis.get_major_locator().set_params(integer=True)
+    ax2.grid(alpha=0.3)
+    if names:
+        ax2.legend(fontsize=8)
+    ax2.set_title("gap to the teacher per version (95% paired CI)", fontsize=10)
+    return _png(fig)
+
+
+def _distill_section(
+    run: Run, train: list[dict[str, Any]], evals: list[dict[str, Any]]
+) -> tuple[list[str], dict[str, bytes]]:
+    """The Distillation section of a run with a teacher: which teacher, the reverse KL at
+    a few steps, the gap to the teacher per evaluated version; and its figure."""
+    cfg, tc = run.config.distill, run.config.trainer
+    coef = loss_spec(tc.algorithm, **tc.loss_overrides()).distill_coef
+    pin = read_pin(run)
+    who = pin.describe() if pin else f"{cfg.teacher} (not pinned yet)"
+    lines = [
+        "",
+        "## Distillation",
+        "",
+        f"- teacher: {who}; requested version `{cfg.teacher_version}`",
+        f"- objective: algorithm `{tc.algorithm}`"
+        + (f", the distillation advantage mixed in at distill_coef {coef}" if coef > 0 else ""),
+    ]
+    kl = [t for t in train if "reverse_kl" in t]
+    if kl:
+        lines += [
+            "",
+            "Reverse KL to the teacher, mean of log pi_old - log pi_teacher over the batch's "
+            "sampled tokens (what the distillation advantage drives down):",
+            "",
+            "| step | reverse KL |",
+            "|---|---|",
+            *(f"| {t['step']} | {t['reverse_kl']:.4f} |" for t in spread(kl, REVERSE_KL_ROWS)),
+        ]
+    records = run.read_metrics(teacher_stream("eval"))
+    gaps: dict[int, dict[str, dict[str, float | None]]] = {}
+    if not records:
+        lines += ["", "The teacher has not been evaluated yet: `rlax eval --run RUN` does it."]
+    else:
+        teacher = records[0]
+        names = gap_names(teacher, evals)
+        lines += [
+            "",
+            f"The teacher on the held-out set (n={teacher['num_samples']}): "
+            + ", ".join(f"{n} {_fmt(teacher['metrics'][n])}" for n in names)
+            + ".",
+        ]
+        if evals and names:
+            gaps = teacher_gaps(run, teacher, evals)
+            lines += [
+                "",
+                "Gap to the teacher per version (student minus teacher; the interval is a "
+                "paired bootstrap over problems, none where the samples cannot be paired):",
+                "",
+                "| version | " + " | ".join(f"{n} - teacher" for n in names) + " |",
+                "|---|" + "---|" * len(names),
+            ]
+            for e in evals:
+                g = gaps[e["version"]]
+                lines.append(
+                    f"| v{e['version']} | " + " | ".join(_fmt(g.get(n)) for n in names) + " |"
+                )
+    if not kl and not gaps:
+        return lines, {}
+    lines += ["", "![distillation](distill.png)", ""]
+    return lines, {DISTILL_PNG: plot_distill(train, gaps)}
 
 
 def _orm_section(run: Run) -> list[str]:

@@ -33,19 +33,28 @@ HumanEval's 164 problems, scored by the sandboxed code verifier) instead of the 
 held-out problems, all of them (`eval.num_problems` caps only the held-out set). Its
 samples and records get keys of their own: `eval/v{N:08d}-{NAME}[-n{n}].parquet` and the
 stream `eval-{NAME}[-n{n}-k...]`.
+
+A run with a teacher (`distill.teacher`, on-policy distillation) also evaluates its pinned
+teacher once, before the versions (`Evaluator.evaluate_teacher`; it pins the teacher if no
+job has): the same problems, keys and metrics, with the teacher's own model shape, into
+`eval/teacher[-{NAME}][-n{n}].parquet` and the stream `teacher-{stream}` (index 0). The
+report sets every version against it (docs/evaluation.md, "The teacher").
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from pipeline.layout import TEACHER_EVAL, eval_key, eval_stream, teacher_stream
 from pipeline.metrics import (
     best_of_k,
     bootstrap_auc,
@@ -63,9 +72,10 @@ from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
 from pipeline.run import DONE_KEY, Run, base_server, weights_server
 from pipeline.tasks import get_task
 from pipeline.tasks.datasets import DATASETS, load_dataset
+from pipeline.teacher import check_copy, pin_teacher, teacher_config, teacher_server
 from tpu_jobs.generate.episodes import sample_rows
 from tpu_jobs.generate.interface import sampling_params
-from tpu_jobs.generate.policy import load_policy
+from tpu_jobs.generate.policy import Policy, load_policy
 from tpu_jobs.generate.sample_verify import EVAL_STREAM, sample_keys
 from tpu_jobs.model.judge import load_orm, self_scores
 
@@ -77,31 +87,6 @@ DIFFICULTY_NOTE = (
     "problems sorted by it (ties by problem order) and split by rank into terciles "
     "hard / medium / easy"
 )
-
-
-def eval_key(
-    version: int,
-    num_samples: int | None = None,
-    default_samples: int | None = None,
-    dataset: str | None = None,
-) -> str:
-    """Per-sample results of `version`; an n other than the config's, or a built-in
-    dataset instead of the held-out set, gets its own key."""
-    suffix = "" if num_samples is None or num_samples == default_samples else f"-n{num_samples}"
-    named = f"-{dataset}" if dataset else ""
-    return f"eval/v{version:08d}{named}{suffix}.parquet"
-
-
-def eval_stream(
-    num_samples: int, ks, default_samples: int, default_ks, dataset: str | None = None
-) -> str:
-    """Metrics stream of an evaluation: "eval" (or "eval-{dataset}") for the config's
-    (n, ks), else its own."""
-    ks = tuple(int(k) for k in ks)
-    base = f"eval-{dataset}" if dataset else "eval"
-    if num_samples == default_samples and ks == tuple(default_ks):
-        return base
-    return f"{base}-n{num_samples}-k" + "_".join(map(str, ks))
 
 
 def parse_ks(spec: str) -> tuple[int, ...]:
@@ -208,8 +193,8 @@ class Evaluator:
     def samples_key(self, version: int) -> str:
         return eval_key(version, self.n, self.cfg.eval.num_samples, self.dataset)
 
-    def record_key(self, version: int) -> str:
-        return f"metrics/{self.stream}/{version:08d}.json"
+    def record_key(self, version: int, stream: str | None = None) -> str:
+        return f"metrics/{stream or self.stream}/{version:08d}.json"
 
     def orm(self) -> tuple[Any, dict[str, Any]] | None:
         """The run's ORM (model, metadata) once it is published; None before."""
@@ -218,38 +203,97 @@ class Evaluator:
         return self._orm
 
     def evaluate(self, version: int, *, server: ParamServer | None = None) -> dict[str, Any]:
-        own = server is None or server is self.ps  # results of the run's own versions are kept
-        if own and self.run.store.exists(self.record_key(version)):
-            record = next(r for r in self.run.read_metrics(self.stream) if r["version"] == version)
-            self.log(f"[eval] v{version} already evaluated ({self.stream}); skipping")
+        """Evaluate `version` of the run (or of `server`, whose results are not kept)."""
+        server = server or self.ps
+        own = server is self.ps  # results of the run's own versions are kept
+
+        def policy() -> Policy:
+            reader = self.reader if own else PolicyReader(server, base_server(self.run))
+            self.policy.load(reader.pull(version))
+            return self.policy
+
+        return self._evaluate(
+            version,
+            f"v{version}",
+            policy,
+            samples_key=self.samples_key(version) if own else None,
+            stream=self.stream if own else None,
+        )
+
+    def evaluate_teacher(self) -> dict[str, Any]:
+        """Evaluate the run's pinned teacher (on-policy distillation; pinned here if no job
+        of the run has pinned it yet) as a version is evaluated: the same problems, sample
+        keys and metrics, so the report can set each version against it (its gap to the
+        teacher, paired per problem). Its samples go to `eval/teacher[...].parquet`, its
+        record to `metrics/teacher-{stream}/00000000.json`, both create-only: done once
+        per (n, ks, dataset), a retry skips it. Its `version` column and field is 0, the
+        teacher's version on the run's teacher server; `teacher` says which snapshot it is."""
+        pin = pin_teacher(self.run)
+        check_copy(self.run, pin)
+
+        def policy() -> Policy:
+            # The teacher's own shape (its run's model section), loaded only to sample: a
+            # retry that finds the samples needs no second model in memory.
+            return load_policy(
+                self.run,
+                "eval",
+                snapshot=teacher_server(self.run).pull(0),
+                mesh=self.mesh,
+                model=teacher_config(self.run).model,
+            )
+
+        identity = {**dataclasses.asdict(pin), "requested": self.cfg.distill.teacher_version}
+        return self._evaluate(
+            0,
+            TEACHER_EVAL,
+            policy,
+            samples_key=eval_key(TEACHER_EVAL, self.n, self.cfg.eval.num_samples, self.dataset),
+            stream=teacher_stream(self.stream),
+            extra={"teacher": identity},
+        )
+
+    def _evaluate(
+        self,
+        version: int,
+        label: str,
+        policy: Callable[[], Policy],
+        *,
+        samples_key: str | None,
+        stream: str | None,
+        extra: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Sample, score and summarise `policy()` (called only when it must sample) as
+        `version`; with `samples_key` and `stream`, the samples and the record are kept
+        (create-only) and found again by a retry, which then skips the work."""
+        if stream is not None and self.run.store.exists(self.record_key(version, stream)):
+            record = next(r for r in self.run.read_metrics(stream) if r["version"] == version)
+            self.log(f"[eval] {label} already evaluated ({stream}); skipping")
             return record
         t0 = time.time()
-        if own and self.run.store.exists(self.samples_key(version)):
+        if samples_key is not None and self.run.store.exists(samples_key):
             # Same samples, other ks: re-summarise the stored rows, no sampling.
-            table = table_from_bytes(self.run.store.read(self.samples_key(version)))
-            self.log(f"[eval] v{version}: summarising stored {self.samples_key(version)}")
+            table = table_from_bytes(self.run.store.read(samples_key))
+            self.log(f"[eval] {label}: summarising stored {samples_key}")
         else:
-            table = self._sample_and_score(version, server or self.ps)
-            if own:
-                self.run.store.write_new(self.samples_key(version), table_to_bytes(table))
-        record = self.summarise_table(version, table)
+            table = self._sample_and_score(version, policy())
+            if samples_key is not None:
+                self.run.store.write_new(samples_key, table_to_bytes(table))
+        record = {**self.summarise_table(version, table), **(extra or {})}
         record["seconds"] = time.time() - t0
-        if own:
-            self.run.log_metrics(self.stream, version, record)
-        self.log(format_summary(version, record["metrics"], time.time() - t0))
+        if stream is not None:
+            self.run.log_metrics(stream, version, record)
+        self.log(format_summary(label, record["metrics"], time.time() - t0))
         return record
 
-    def _sample_and_score(self, version: int, server: ParamServer) -> pa.Table:
+    def _sample_and_score(self, version: int, policy: Policy) -> pa.Table:
         ec = self.cfg.eval
-        reader = self.reader if server is self.ps else PolicyReader(server, base_server(self.run))
-        self.policy.load(reader.pull(version))
         n = self.n
         rows = [(pi, s) for pi in range(len(self.problems)) for s in range(n)]
         keys = sample_keys(self.cfg.seed, EVAL_STREAM, 0, 0, len(self.problems), n)
         problems = [self.problems[pi] for pi, _ in rows]
         scored = sample_rows(  # tool episodes when the run sets an environment
-            self.sampler,
-            self.model,
+            policy.sampler,
+            policy.model,
             self.tok,
             self.cfg.environment,
             problems,
@@ -284,7 +328,7 @@ class Evaluator:
         judged_prompts = scored.prompt_ids
         if ec.self_prm:  # the evaluated version judges its own samples
             columns["self_score"] = self_scores(
-                self.model, self.tok, judged_prompts, completion_ids, batch_size=ec.batch_size
+                policy.model, self.tok, judged_prompts, completion_ids, batch_size=ec.batch_size
             )
         orm = self.orm()
         if orm is not None:
@@ -341,11 +385,12 @@ class Evaluator:
         return record
 
 
-def format_summary(version: int | str, summary: dict[str, dict[str, float]], seconds: float) -> str:
+def format_summary(label: str, summary: dict[str, dict[str, float]], seconds: float) -> str:
+    """One log line of an evaluation; `label`: "v{version}" or "teacher"."""
     parts = [
         f"{name} {m['mean']:.3f} [{m['lo']:.3f}, {m['hi']:.3f}]" for name, m in summary.items()
     ]
-    return f"[eval] v{version}: " + "  ".join(parts) + f"  ({seconds:.0f}s)"
+    return f"[eval] {label}: " + "  ".join(parts) + f"  ({seconds:.0f}s)"
 
 
 def resolve_versions(ps: ParamServer, spec: str) -> list[int]:
@@ -395,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     ev = Evaluator(run, ks=ks, log=lambda m: print(m, flush=True), dataset=args.dataset)
     if ev.stream != "eval":
         print(f"[eval] n={ev.n} ks={list(ev.ks)}: records in metrics/{ev.stream}/", flush=True)
+    if run.config.distill.enabled:  # the ceiling each version is set against
+        ev.evaluate_teacher()
     done: set[int] = set()
     while True:
         versions = resolve_versions(ev.ps, args.version)

@@ -98,7 +98,7 @@ def run_demo(run: Run, workers: int, eval_every: int) -> str:
     fleet.start("eval", "eval", ("--version", "all", "--every", str(eval_every)))
     fleet.wait("eval")
     for line in fleet.log_path("eval").read_text().splitlines():
-        if line.startswith("[eval] v"):
+        if line.startswith(("[eval] v", "[eval] teacher")):
             print("  " + line)
 
     print("[5/5] report")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dags.params import TASK_FAMILIES, config_from_params, resolve_root, rl_params, run_url_for
@@ -58,6 +60,29 @@ def test_config_from_params_applies_each_param(two_families):
     same = config_from_params({**two_families, "task_families": ["arithmetic", "countdown"]})
     assert same.task.weights == (0.75, 0.25)
     assert config_from_params({**two_families, "eval_k": 1}).eval.ks == (1,)
+
+
+def test_config_from_params_sets_the_teacher_and_the_config_checks_the_combination():
+    opd = config_from_params(
+        {**TINY, "algorithm": "opd", "teacher": "runs/teacher", "teacher_version": "base"}
+    )
+    assert opd.trainer.algorithm == "opd"
+    assert opd.distill.teacher == str(ROOT / "runs/teacher")  # relative: under the project
+    assert opd.distill.teacher_version == "base"
+    mixed = config_from_params(
+        {**TINY, "algorithm": "grpo", "teacher": "gs://b/teacher", "distill_coef": 0.25}
+    )
+    assert mixed.distill.teacher == "gs://b/teacher" and mixed.distill.teacher_version == "latest"
+    assert mixed.trainer.loss_overrides() == {"distill_coef": 0.25}
+    # Bad combinations: the config's own checks, one line naming the field.
+    for params, field in (
+        ({"algorithm": "opd"}, "distill.teacher=''"),
+        ({"teacher": "/x/teacher"}, "distill.teacher='/x/teacher'"),
+        ({"algorithm": "opd", "teacher": "/x", "distill_coef": 0.5}, "loss.distill_coef=0.5"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(field)) as err:
+            config_from_params({**TINY, **params})
+        assert "\n" not in str(err.value)
 
 
 def test_config_from_params_refuses_bad_values():
@@ -157,6 +182,18 @@ def test_dropdowns_label_the_empty_choice_and_bounds_are_declared():
         ("model_preset", "tiny", True),
         ("model_preset", "null", False),
         ("algorithm", "grpo", True),
+        ("algorithm", "opd", True),  # the presets' list
+        ("teacher", None, True),
+        ("teacher", "gs://b/runs/teacher", True),
+        ("teacher", "runs/my teacher", False),
+        ("teacher_version", None, True),
+        ("teacher_version", "latest", True),
+        ("teacher_version", "base", True),
+        ("teacher_version", "12", True),
+        ("teacher_version", "v12", False),
+        ("distill_coef", None, True),
+        ("distill_coef", 0.5, True),
+        ("distill_coef", -0.1, False),
         ("source_data", "data/x y.jsonl", False),
         ("source_data", "gs://b/p/*.jsonl", True),
         ("hf_checkpoint", None, True),

@@ -358,7 +358,8 @@ def test_self_prm_can_be_turned_off(small_run):
     cfg = run.config
     off = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, self_prm=False))
     ev = Evaluator(Run(url=run.url, store=run.store, config=off), log=lambda m: None)
-    table = ev._sample_and_score(0, ev.ps)
+    ev.policy.load(ev.reader.pull(0))
+    table = ev._sample_and_score(0, ev.policy)
     assert "self_score" not in table.column_names and "orm_score" in table.column_names
     rec = ev.summarise_table(0, table)
     assert "self_prm@4" not in rec["metrics"] and "orm@4" in rec["metrics"]

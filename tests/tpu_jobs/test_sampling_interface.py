@@ -8,6 +8,7 @@ call, so the test sees what reached the sampler, not what a job meant to pass.""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import jax
@@ -160,6 +161,17 @@ def test_load_policy_loads_the_version_and_refuses_unknown_roles(run):
         assert jax.numpy.array_equal(value, snap.tensors[name]), name
     with pytest.raises(ValueError, match=r"role='judge' is invalid; allowed: 'rollout', 'eval'"):
         policy.load_policy(run, "judge")
+
+
+def test_load_policy_takes_another_model_shape(run, recorded):
+    # A pinned teacher of another shape than the run's model (on-policy distillation):
+    # the model and the sampler are both built from the shape given.
+    shape = dataclasses.replace(run.config.model, hidden_size=32)
+    loaded = policy.load_policy(run, "eval", model=shape)
+    want = {k: v.shape for k, v in flat_params(init_model(shape, 0)).items()}
+    assert {k: v.shape for k, v in flat_params(loaded.model).items()} == want
+    assert want != {k: v.shape for k, v in flat_params(init_model(run.config.model, 0)).items()}
+    assert recorded[0].inner.cfg == shape
 
 
 def test_the_engine_refuses_a_request_longer_than_its_params():

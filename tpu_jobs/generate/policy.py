@@ -6,10 +6,12 @@ config, which tests may swap)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
 
+from pipeline.config import ModelConfig
 from pipeline.paramserver import Snapshot
 from pipeline.run import Run
 from pipeline.tokenizer import Tokenizer
@@ -63,14 +65,16 @@ def load_policy(
     *,
     snapshot: Snapshot | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    model: ModelConfig | None = None,
 ) -> Policy:
     """The policy of `role` (a name in POLICY_ROLES) for `run`: its tokenizer, the model
     (`snapshot`'s weights when given; else load a version later with `Policy.load`), the
     sampler on `mesh` (None: `mesh.sampler` of the run config, None there too: one
-    device)."""
+    device). `model`: another shape than the run's `model` section (a pinned teacher's,
+    `pipeline.teacher.teacher_config`), for the model and the sampler's caches alike."""
     if role not in POLICY_ROLES:
         raise ValueError(f"role={role!r} is invalid; allowed: {', '.join(map(repr, POLICY_ROLES))}")
-    cfg = run.config
+    cfg = run.config if model is None else dataclasses.replace(run.config, model=model)
     tok = run_tokenizer(run)
     mesh = mesh or sampler_mesh(cfg, POLICY_ROLES[role])
     model = init_model(cfg.model, cfg.seed)
