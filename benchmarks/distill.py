@@ -113,7 +113,7 @@ def eval_curve(run: Run) -> dict[int, dict[str, Any]]:
 
 def teacher_scores(run: Run) -> dict[str, Any] | None:
     """The teacher's held-out metrics on `run`'s eval set (the evaluator's teacher record)."""
-    for r in run.read_metrics("eval-teacher"):
+    for r in run.read_metrics("teacher-eval"):
         return r["metrics"]
     return None
 

@@ -43,8 +43,10 @@ PIN_KEY = f"{TEACHER_PREFIX}/pin.json"
 TEACHER_CONFIG_KEY = f"{TEACHER_PREFIX}/{CONFIG_KEY}"
 
 
-class TeacherError(RuntimeError):
-    """The teacher cannot be pinned or loaded; the message says what and how to fix it."""
+class TeacherError(ConfigError):
+    """The configured teacher cannot be pinned or loaded (a missing run or version, another
+    tokenizer, a damaged copy): bad input, so jobs fail fast instead of retrying; the
+    message says what and how to fix it."""
 
 
 @dataclass(frozen=True)
