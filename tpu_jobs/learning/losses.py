@@ -988,12 +988,8 @@ def compute_advantages(
         advantages = _to_tokens(advantages, mask) + spec.distill_coef * distill_advantages(
             logp_old, logp_teacher, mask
         )
-        metrics.update(
-            {
-                "adv_mean": masked_mean(advantages, mask),
-                "adv_std": masked_std(advantages, mask),
-            }
-        )
+        # Every advantage statistic describes the mixed advantage the loss uses.
+        metrics.update(_adv_metrics(advantages, mask, rewards))
     return AdvantageResult(advantages, res.returns, metrics)
 
 
