@@ -127,6 +127,13 @@ def _logps(seed=0, scale=0.3):
     return lp, lo
 
 
+def _teacher(lo, seed=0):
+    """A teacher's log-probs of the sampled tokens: pi_old's moved by up to +-1 nat (so the
+    distillation advantage takes both signs), still <= 0."""
+    shift = np.random.default_rng(seed + 100).uniform(-1.0, 1.0, lo.shape)
+    return np.minimum(lo + shift, -1e-3).astype(np.float32)
+
+
 # --------------------------------------------------------------------------------------
 # Advantage estimators
 # --------------------------------------------------------------------------------------
@@ -435,6 +442,11 @@ def _inputs(alg, seed=0):
     if alg == "ppo":
         v = np.random.default_rng(seed + 1).normal(size=MASK.shape).astype(np.float32)
         kw.update(values=v + 0.05, old_values=v)
+    spec = L.ALGORITHMS[alg]
+    if spec.needs_teacher:  # the opd preset: a teacher's log-probs, and TIS's sampler's
+        kw["logp_teacher"] = _teacher(lo, seed)
+    if spec.is_correction != "none":
+        kw["logp_behaviour"] = (lo + 0.2).astype(np.float32)
     return lp, lo, kw
 
 
@@ -641,6 +653,7 @@ def test_loss_spec_presets_and_validation():
         "ppo",
         "gspo",
         "cispo",
+        "opd",
     }
     assert L.ALGORITHMS["dapo"].eps_high == 0.28
     assert L.ALGORITHMS["grpo"].kl_coef == 0.04
@@ -655,6 +668,179 @@ def test_loss_spec_presets_and_validation():
         L.loss_spec("x")
     with pytest.raises(dataclasses.FrozenInstanceError):
         L.ALGORITHMS["grpo"].kl_coef = 1.0  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------------------
+# On-policy distillation: the opd preset and the mixed mode (distill_coef)
+# --------------------------------------------------------------------------------------
+
+# Row 0's loss mask has holes (a tool observation between sampled turns); row 4 is fully
+# masked (a padding row); row 5 has one sampled token.
+OPD_MASK = np.array(
+    [
+        [1, 1, 0, 0, 1, 1],
+        [0, 1, 1, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1],
+        [0, 0, 1, 1, 1, 1],
+        [0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 0, 0, 0],
+    ],
+    np.float32,
+)
+
+
+def _opd_inputs(seed=11):
+    """(lp, lo, lb, lt) with NaN/inf garbage on every masked token, which must not leak."""
+    lp, lo = _logps(seed, scale=0.4)
+    lb = (lo + np.random.default_rng(seed + 1).normal(scale=0.5, size=lo.shape)).astype(np.float32)
+    lt = _teacher(lo, seed)
+    off = OPD_MASK == 0
+    lo, lb, lt = (np.where(off, np.nan, x).astype(np.float32) for x in (lo, lb, lt))
+    lp = np.where(off, np.inf, lp).astype(np.float32)
+    return lp, lo, lb, lt
+
+
+def np_reverse_kl(lo, lt, mask):
+    return float(np.mean((lo - lt)[mask > 0]))
+
+
+def np_opd_loss(lp, lo, lb, lt, mask, el, eh, cap):
+    """The opd preset from its definition: A = -(log pi_old - log pi_teacher) per sampled
+    token, PPO clip on r = pi / pi_old, times the TIS weight min(pi_old / pi_sampler, C),
+    token mean. Also d loss / d log pi (the unclipped branch's -A r w / N, 0 where the clip
+    is the max)."""
+    on = mask > 0
+    lp, lo, lb, lt = (np.where(on, x, 0.0).astype(np.float64) for x in (lp, lo, lb, lt))
+    A = np.where(on, -(lo - lt), 0.0)
+    r = np.exp(lp - lo)
+    w = np.minimum(np.exp(lo - lb), cap)
+    unclipped, clipped = -A * r, -A * np.clip(r, 1 - el, 1 + eh)
+    n = mask.sum()
+    loss = (np.maximum(unclipped, clipped) * w * on).sum() / n
+    grad = np.where(on & (unclipped >= clipped), -A * r * w, 0.0) / n
+    return loss, grad, A
+
+
+def test_opd_advantage_is_minus_the_log_ratio_to_the_teacher_on_sampled_tokens():
+    _, lo, _, lt = _opd_inputs()
+    res = L.compute_advantages(L.ALGORITHMS["opd"], REWARDS, OPD_MASK, logp_old=lo, logp_teacher=lt)
+    on = OPD_MASK > 0
+    want = np.where(on, np.where(on, lt, 0.0) - np.where(on, lo, 0.0), 0.0)
+    close(res.advantages, want)
+    assert np.all(np.asarray(res.advantages)[~on] == 0.0)  # NaN pads gave exact zeros
+    assert res.returns is None
+    m = res.metrics
+    close(m["reverse_kl"], np_reverse_kl(lo, lt, OPD_MASK))
+    close(m["adv_mean"], want[on].mean())
+    close(m["adv_std"], want[on].std())
+    close(m["adv_max"], want[on].max())
+    close(m["adv_min"], want[on].min())
+    close(m["reward_mean"], REWARDS.mean())  # reported, not used
+    other = L.compute_advantages(
+        L.ALGORITHMS["opd"], REWARDS[::-1].copy(), OPD_MASK, logp_old=lo, logp_teacher=lt
+    )
+    np.testing.assert_array_equal(np.asarray(other.advantages), np.asarray(res.advantages))
+
+
+def test_opd_preset_loss_and_gradient_match_numpy():
+    spec = L.ALGORITHMS["opd"]
+    assert (spec.aggregation, spec.is_correction, spec.policy_loss) == (
+        "token_mean",
+        "tis",
+        "ppo_clip",
+    )
+    lp, lo, lb, lt = _opd_inputs()
+
+    def f(x):
+        return L.compute_loss(
+            spec,
+            x,
+            lo,
+            OPD_MASK,
+            rewards=REWARDS,
+            group_size=G,
+            logp_behaviour=lb,
+            logp_teacher=lt,
+        )
+
+    (loss, m), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp))
+    want, want_grad, _ = np_opd_loss(
+        lp, lo, lb, lt, OPD_MASK, spec.eps_low, spec.eps_high, spec.is_cap
+    )
+    close(loss, want)
+    close(m["pg_loss"], want)
+    close(grad, want_grad)
+    assert float(m["clip_frac"]) > 0  # the inputs exercise the clip...
+    w = np.minimum(np.exp(lo - lb), spec.is_cap)[OPD_MASK > 0]
+    assert (w == spec.is_cap).any() and (w < 1).any()  # ...and both sides of the TIS cap
+    close(m["is_weight_mean"], w.mean())
+    close(m["reverse_kl"], np_reverse_kl(lo, lt, OPD_MASK))
+    close(m["num_tokens"], OPD_MASK.sum())
+
+
+def test_opd_at_the_teacher_has_zero_advantage_and_zero_gradient():
+    lp, lo, lb, _ = _opd_inputs(seed=12)
+    spec = L.ALGORITHMS["opd"]
+    loss, grad = jax.value_and_grad(
+        lambda x: L.compute_loss(
+            spec, x, lo, OPD_MASK, rewards=REWARDS, logp_behaviour=lb, logp_teacher=lo
+        )[0]
+    )(jnp.asarray(lp))
+    assert float(loss) == 0.0
+    assert np.all(np.asarray(grad) == 0.0)
+
+
+def test_mixed_mode_adds_coef_times_the_distillation_advantage_to_grpo():
+    lp, lo, lb, lt = _opd_inputs(seed=13)
+    lref = np.where(OPD_MASK > 0, lo - 0.1, np.nan).astype(np.float32)
+    spec = L.ALGORITHMS["grpo"].replace(distill_coef=0.5)
+    assert spec.needs_teacher and not L.ALGORITHMS["grpo"].needs_teacher
+    res = L.compute_advantages(spec, REWARDS, OPD_MASK, group_size=G, logp_old=lo, logp_teacher=lt)
+    on = OPD_MASK > 0
+    lo0, lt0 = np.where(on, lo, 0.0), np.where(on, lt, 0.0)
+    want = np.where(on, np_group_adv(REWARDS, G, "grpo")[:, None] - 0.5 * (lo0 - lt0), 0.0)
+    close(res.advantages, want)
+    m = res.metrics
+    close(m["reverse_kl"], np_reverse_kl(lo, lt, OPD_MASK))
+    close(m["adv_mean"], want[on].mean())
+    close(m["adv_std"], want[on].std())
+    close(m["adv_max"], want[on].max())
+    close(m["adv_min"], want[on].min())
+    # compute_loss runs the same advantage through grpo's own loss parts
+    loss, lm = L.compute_loss(
+        spec, lp, lo, OPD_MASK, rewards=REWARDS, group_size=G, logp_ref=lref, logp_teacher=lt
+    )
+    lp0, lref0 = np.where(on, lp, 0.0), np.where(on, lref, 0.0)
+    pg = np_seq_mean_token_mean(np_ppo(lp0, lo0, want, OPD_MASK, 0.2, 0.2), OPD_MASK)
+    kl = np_seq_mean_token_mean(np_kl(lp0, lref0, "k3") * OPD_MASK, OPD_MASK)
+    close(loss, pg + 0.04 * kl)
+    close(lm["reverse_kl"], m["reverse_kl"])
+    # coefficient 0 is plain GRPO, with no reverse_kl
+    plain = L.compute_advantages(L.ALGORITHMS["grpo"], REWARDS, OPD_MASK, group_size=G)
+    assert "reverse_kl" not in plain.metrics
+    close(plain.advantages, np_group_adv(REWARDS, G, "grpo")[:, None] * OPD_MASK)
+
+
+def test_a_teacher_objective_without_teacher_log_probs_is_refused():
+    _, lo, lb, _ = _opd_inputs()
+    for spec in (L.ALGORITHMS["opd"], L.ALGORITHMS["grpo"].replace(distill_coef=0.5)):
+        with pytest.raises(ValueError, match="needs logp_old and logp_teacher"):
+            L.compute_advantages(spec, REWARDS, OPD_MASK, group_size=G, logp_old=lo)
+        with pytest.raises(ValueError, match="needs logp_old and logp_teacher"):
+            L.compute_loss(spec, lo, lo, OPD_MASK, rewards=REWARDS, logp_behaviour=lb)
+    with pytest.raises(ValueError, match="advantage 'opd' needs logp_old and logp_teacher"):
+        L.ADVANTAGES["opd"](REWARDS, OPD_MASK, logp_old=lo)
+
+
+def test_distill_coef_with_the_opd_advantage_is_refused():
+    with pytest.raises(ConfigError, match=r"loss.distill_coef.*0 with advantage='opd'"):
+        L.LossSpec(advantage="opd", distill_coef=0.5)
+    with pytest.raises(ConfigError, match=r"loss.distill_coef.*0 with advantage='opd'"):
+        L.loss_spec("opd", distill_coef=0.5)
+    with pytest.raises(ConfigError, match="loss.distill_coef"):
+        L.LossSpec(distill_coef=-0.1)
+    assert L.ALGORITHMS["opd"].needs_teacher
+    assert not any(L.ALGORITHMS[a].needs_teacher for a in L.ALGORITHMS if a != "opd")
 
 
 # --------------------------------------------------------------------------------------
