@@ -253,3 +253,144 @@ def test_bad_routing_is_refused_naming_its_row():
         BadBatchError, match="column routing is list<.*uint8>; expected a list of uint16"
     ):
         read_checked(to_parquet_bytes(batch), replace(MOE_LIMITS, num_experts=300))
+
+
+# ------------------------------------------------------------- on-policy distillation
+
+TEACHER_LIMITS = replace(LIMITS, teacher=True)
+# Exact in float32, so the round trip compares with ==.
+TEACHER_LOGPROBS = [[-0.25, -1.5, -0.125], [-3.0, -0.5], [-0.75], [-0.0625, -2.0, -1.0, -0.25]]
+
+
+def teacher_batch() -> RolloutBatch:
+    batch = good_batch()
+    batch.teacher_logprobs = [list(r) for r in TEACHER_LOGPROBS]
+    return batch
+
+
+def masked_teacher_batch() -> RolloutBatch:
+    """episode_batch (rows 0-1 without a loss mask, row 3's mask [1, 0, 0, 1]) with the
+    teacher's log-probs, 0 on row 3's observation tokens."""
+    batch = episode_batch()
+    batch.teacher_logprobs = [[-0.25, -1.5, -0.125], [-3.0, -0.5], [-0.75], [-0.5, 0.0, 0.0, -1.0]]
+    return batch
+
+
+def test_the_teacher_column_round_trips():
+    for make in (teacher_batch, masked_teacher_batch):
+        batch = make()
+        data = to_parquet_bytes(batch)
+        assert table_from_bytes(data).schema.field("teacher_logprobs").type == pa.list_(
+            pa.float32()
+        )
+        got = read_checked(data, TEACHER_LIMITS)
+        assert got.teacher_logprobs == batch.teacher_logprobs
+        assert got.completion_ids == batch.completion_ids
+
+
+def test_a_batch_without_a_teacher_has_the_bytes_it_had_before_the_column_existed():
+    """The sha256 of these batches' bytes as written at e8a232c, the commit before the
+    teacher column (pyarrow 25.0.1, pinned in uv.lock: an upgrade may change the bytes of
+    every batch, and then these digests are recomputed from that commit)."""
+    import hashlib
+
+    before = {
+        "good": "b02842dd0f6a8bc05003eb1b22889d991a338dea4326cd0b73056e739ef62c77",
+        "episode": "1baee17ed4fd70b2b2fc19043b1d284d1418d2d7741d61f901f9c524d14f7a72",
+    }
+    for name, make in (("good", good_batch), ("episode", episode_batch)):
+        data = to_parquet_bytes(make())
+        assert "teacher_logprobs" not in table_from_bytes(data).column_names
+        assert hashlib.sha256(data).hexdigest() == before[name], name
+        assert read_checked(data, LIMITS).teacher_logprobs is None
+
+
+def test_the_writer_refuses_teacher_rows_that_do_not_match_the_completions():
+    short = teacher_batch()
+    short.teacher_logprobs[1] = [-3.0]
+    with pytest.raises(ValueError, match="row 1: teacher_logprobs has 1 entries for 2 completion"):
+        to_parquet_bytes(short)
+    few = teacher_batch()
+    few.teacher_logprobs = few.teacher_logprobs[:3]
+    with pytest.raises(ValueError, match="has 3 teacher_logprobs rows for 4"):
+        to_parquet_bytes(few)
+
+
+def _with_teacher(values, batch=None, type_=None) -> bytes:
+    return with_column(
+        to_parquet_bytes(batch or teacher_batch()), "teacher_logprobs", values, type_
+    )
+
+
+TEACHER_BAD = {
+    "wrong length": (
+        [[-0.25, -1.5], [-3.0, -0.5], [-0.75], [-0.0625, -2.0, -1.0, -0.25]],
+        "row 0: teacher_logprobs has 2 entries for 3 completion tokens; they must match",
+    ),
+    "a row too long": (
+        [[-0.25, -1.5, -0.125], [-3.0, -0.5], [-0.75, -0.5], [-0.0625, -2.0, -1.0, -0.25]],
+        "row 2: teacher_logprobs has 2 entries for 1 completion tokens",
+    ),
+    "a null row": (
+        [[-0.25, -1.5, -0.125], [-3.0, -0.5], None, [-0.0625, -2.0, -1.0, -0.25]],
+        "row 2: teacher_logprobs has",
+    ),
+    "nan": (
+        [[-0.25, -1.5, -0.125], [float("nan"), -0.5], [-0.75], [-0.0625, -2.0, -1.0, -0.25]],
+        r"row 1: teacher_logprobs holds nan; a log-probability is finite and <= 0",
+    ),
+    "-inf": (
+        [[-0.25, -1.5, -0.125], [-3.0, -0.5], [-0.75], [-0.0625, -2.0, float("-inf"), -0.25]],
+        r"row 3: teacher_logprobs holds -inf; a log-probability is finite and <= 0",
+    ),
+    "positive": (
+        [[-0.25, -1.5, -0.125], [-3.0, -0.5], [0.5], [-0.0625, -2.0, -1.0, -0.25]],
+        r"row 2: teacher_logprobs holds 0.5; a log-probability is finite and <= 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TEACHER_BAD))
+def test_a_planted_bad_teacher_value_is_refused_naming_its_row(case):
+    values, message = TEACHER_BAD[case]
+    with pytest.raises(BadBatchError, match=message):
+        read_checked(_with_teacher(values), TEACHER_LIMITS)
+
+
+def test_the_teacher_column_is_present_exactly_in_a_run_with_a_teacher():
+    with pytest.raises(
+        BadBatchError, match=r"has a teacher_logprobs column, but the run has no teacher"
+    ):
+        read_checked(to_parquet_bytes(teacher_batch()), LIMITS)
+    with pytest.raises(
+        BadBatchError, match=r"lacks the teacher_logprobs column; the run distils from a teacher"
+    ):
+        read_checked(to_parquet_bytes(good_batch()), TEACHER_LIMITS)
+    doubles = _with_teacher(TEACHER_LOGPROBS, type_=pa.list_(pa.float64()))
+    with pytest.raises(
+        BadBatchError, match=r"column teacher_logprobs is list<.*double>; expected list<.*float>"
+    ):
+        read_checked(doubles, TEACHER_LIMITS)
+
+
+def test_a_teacher_value_off_the_loss_mask_is_refused_with_null_mask_rows_mixed_in():
+    """Rows without a loss mask (null: all tokens sampled) sit between rows with one, so
+    the check lines each mask up with its own row's values."""
+    batch = masked_teacher_batch()
+    # row 0 has no mask: any log-prob is fine on every token; row 3's 0s are its holes
+    assert read_checked(to_parquet_bytes(batch), TEACHER_LIMITS) is not None
+    bad = [list(r) for r in batch.teacher_logprobs]
+    bad[3][2] = -0.5  # the second observation token of row 3
+    with pytest.raises(
+        BadBatchError,
+        match=r"row 3: teacher_logprobs holds -0.5 on a token off the loss mask; allowed: 0",
+    ):
+        read_checked(_with_teacher(bad, masked_teacher_batch()), TEACHER_LIMITS)
+    # a mask on the first row and none on the next: a mask's zeros must not shift rows
+    first = masked_teacher_batch()
+    first.loss_mask = [[1, 0, 1], None, [1], None]
+    first.teacher_logprobs = [[-0.25, 0.0, -0.125], [-3.0, -0.5], [-0.75], TEACHER_LOGPROBS[3]]
+    assert read_checked(to_parquet_bytes(first), TEACHER_LIMITS) is not None
+    first.teacher_logprobs[0][1] = -1.0
+    with pytest.raises(BadBatchError, match=r"row 0: teacher_logprobs holds -1.0 on a token off"):
+        read_checked(to_parquet_bytes(first), TEACHER_LIMITS)

@@ -38,6 +38,15 @@ def test_parquet_round_trip_exact():
     assert r.num_tokens() == 6
 
 
+def test_teacher_logprobs_round_trip_exactly_and_are_absent_without_a_teacher():
+    b = make_batch()
+    assert from_parquet_bytes(to_parquet_bytes(b)).teacher_logprobs is None
+    b.teacher_logprobs = [[-0.75, -0.5], [-2.0], [], [-0.25, -0.0625, -1.5]]  # exact in f32
+    r = from_parquet_bytes(to_parquet_bytes(b))
+    assert r.teacher_logprobs == b.teacher_logprobs  # the empty completion's row included
+    assert r.behaviour_logprobs == b.behaviour_logprobs
+
+
 def test_parquet_rejects_foreign_table():
     import io
 
