@@ -17,9 +17,10 @@ once and stores the teacher under the run, as the base is stored:
     teacher/config.json          the teacher run's config (its model's shape)
     teacher/weights/v00000000/   the snapshot (a LoRA teacher's adapters merged)
 
-Later jobs, retries and resumes read the pin, never the teacher run again, so a run's
-teacher cannot change under it; the copy is checked against the pinned digest when it is
-loaded. A teacher must encode text as the student does: the same `model.tokenizer`, and
+Later jobs, retries and resumes read the pin, never the teacher run's "latest" again, so a
+run's teacher cannot change under it; the copy is checked against the pinned digest and its
+shards' checksums when it is loaded (`check_copy`), and a deleted copy is copied again at
+the pinned version. A teacher must encode text as the student does: the same `model.tokenizer`, and
 for an imported tokenizer the same tokenizer.json bytes. Anything else is refused.
 """
 
@@ -134,12 +135,13 @@ def pin_teacher(run: Run, *, wait_s: float = 600.0) -> TeacherPin:
     if not cfg.enabled:
         raise ConfigError("distill.teacher is empty: this run has no teacher")
     pin = read_pin(run)
-    if pin is not None:
-        return pin
     server = teacher_server(run)
     if not server.versions():
+        # First use, or a damaged copy deleted to be copied again (`check_copy`): a pinned
+        # teacher is copied at its pinned version, never re-resolved, so it cannot move.
+        requested = cfg.teacher_version if pin is None else str(pin.version)
         try:
-            _copy_teacher(run, server)
+            _copy_teacher(run, server, requested)
         except StaleEpochError:
             # Another job of the run copies it at this moment: wait for its version 0.
             deadline = time.monotonic() + wait_s
@@ -150,6 +152,8 @@ def pin_teacher(run: Run, *, wait_s: float = 600.0) -> TeacherPin:
                         f"{TEACHER_PREFIX} and has not finished within {wait_s:.0f} s"
                     ) from None
                 time.sleep(1.0)
+    if pin is not None:
+        return pin
     manifest = server.manifest(0)
     meta = manifest.get("metadata") or {}
     record = {
@@ -165,9 +169,9 @@ def pin_teacher(run: Run, *, wait_s: float = 600.0) -> TeacherPin:
     return pin
 
 
-def _copy_teacher(run: Run, server: ParamServer) -> None:
-    """Resolve the configured teacher, check its tokenizer and publish it as `server`'s
-    version 0 (its config next to it)."""
+def _copy_teacher(run: Run, server: ParamServer, requested: str) -> None:
+    """Resolve version `requested` of the configured teacher, check its tokenizer and
+    publish it as `server`'s version 0 (its config next to it)."""
     from pipeline.paramserver import ParamServer
     from pipeline.paramserver.adapters import PolicyReader
     from pipeline.run import Run, RunError, base_server
@@ -183,12 +187,12 @@ def _copy_teacher(run: Run, server: ParamServer) -> None:
             f"the teacher {cfg.teacher} encodes text with {theirs}, this run with {mine}; a "
             "teacher must share the student's tokenizer (it scores the student's token ids)"
         )
-    source, version, on_source = _resolve(teacher, cfg.teacher_version)
+    source, version, on_source = _resolve(teacher, requested)
     if version == "base":
         snap = source.pull(on_source)
     else:  # the teacher as it samples: a LoRA teacher's adapters merged into its base
         snap = PolicyReader(ParamServer(teacher.store), base_server(teacher)).pull(on_source)
-    run.store.write_new(TEACHER_CONFIG_KEY, teacher.store.read(CONFIG_KEY))
+    run.store.write_new(TEACHER_CONFIG_KEY, teacher.store.read(CONFIG_KEY))  # kept on a re-copy
     server.publish(
         0,
         dict(snap.tensors),
@@ -204,13 +208,26 @@ def teacher_config(run: Run) -> Any:
     return config_from_json(run.store.read(TEACHER_CONFIG_KEY).decode())
 
 
-def check_copy(run: Run, pin: TeacherPin) -> None:
-    """Raise TeacherError unless the run's teacher copy is the pinned snapshot."""
+def check_copy(run: Run, pin: TeacherPin) -> dict[str, Any]:
+    """The tensors of the run's teacher copy, verified to be the pinned snapshot: its
+    manifest's digest is the pin's and every shard's bytes match the manifest's crc32c.
+    TeacherError (saying how to repair it) otherwise."""
+    from pipeline.paramserver import CorruptSnapshotError, SnapshotNotFoundError
     from pipeline.paramserver.adapters import base_digest
 
-    got = base_digest(teacher_server(run).manifest(0))
-    if got != pin.digest:
+    server = teacher_server(run)
+    repair = (
+        f"delete {run.url}/{TEACHER_PREFIX}/weights and the next job copies {pin.describe()} again"
+    )
+    try:
+        got = base_digest(server.manifest(0))
+        if got != pin.digest:
+            raise TeacherError(
+                f"the teacher copy under {run.url}/{TEACHER_PREFIX} has digest {got[:19]}, "
+                f"but {pin.describe()} is pinned; {repair}"
+            )
+        return dict(server.pull(0).tensors)
+    except (CorruptSnapshotError, SnapshotNotFoundError) as err:
         raise TeacherError(
-            f"the teacher copy under {run.url}/{TEACHER_PREFIX} has digest {got[:19]}, but "
-            f"{pin.describe()} is pinned; delete {TEACHER_PREFIX}/weights to copy it again"
-        )
+            f"the teacher copy under {run.url}/{TEACHER_PREFIX} is damaged ({err}); {repair}"
+        ) from None

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from pipeline.run import Run
-from pipeline.teacher import TeacherPin, check_copy, pin_teacher, teacher_config, teacher_server
+from pipeline.teacher import TeacherPin, check_copy, pin_teacher, teacher_config
 from tpu_jobs.model.batching import (
     DEFAULT_BATCH_BUCKETS,
     DEFAULT_NEW_TOKEN_BUCKETS,
@@ -39,10 +39,10 @@ class TeacherScorer:
 
     def __init__(self, run: Run, *, log=print) -> None:
         self.pin: TeacherPin = pin_teacher(run)
-        check_copy(run, self.pin)
+        tensors = check_copy(run, self.pin)
         self.model_cfg = teacher_config(run).model
         model = init_model(self.model_cfg, 0)
-        load_flat_params(model, teacher_server(run).pull(0).tensors)
+        load_flat_params(model, tensors)
         self.graphdef, self.state = nnx.split(model)
         self.temperature = float(run.config.sampler.temperature)
         self.pad_id = 0
