@@ -22,6 +22,7 @@ import pytest
 
 from pipeline import algorithms as A
 from pipeline import config as C
+from pipeline.distill import DistillConfig
 from pipeline.leases import BatchLeases
 from pipeline.paramserver.adapters import PolicyReader
 from pipeline.rollouts import RolloutBatch, from_parquet_bytes, to_parquet_bytes
@@ -45,7 +46,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def with_trainer(cfg: C.RunConfig, **changes) -> C.RunConfig:
-    return replace(cfg, trainer=replace(cfg.trainer, **changes))
+    """`cfg` with trainer fields changed; an objective that reads a teacher gets one (the
+    Learner never opens it: it reads the batch's teacher_logprobs)."""
+    trainer = replace(cfg.trainer, **changes)
+    spec = L.loss_spec(trainer.algorithm, **trainer.loss_overrides())
+    teacher = DistillConfig(teacher="/no/teacher/run" if spec.needs_teacher else "")
+    return replace(cfg, trainer=trainer, distill=teacher)
+
+
+def with_teacher(batch: RolloutBatch, teacher: list | None = None) -> RolloutBatch:
+    """`batch` with a teacher's log-probs: `teacher`, or the sampler's moved by -0.5, 0 and
+    +0.5 nat in turn (capped at 0), so the distillation advantage takes both signs."""
+    if teacher is None:
+        teacher = [
+            np.minimum(np.asarray(lb) + 0.5 * (np.arange(len(lb)) % 3 - 1), 0.0).tolist()
+            for lb in batch.behaviour_logprobs
+        ]
+    return dataclasses.replace(batch, teacher_logprobs=teacher)
 
 
 # --------------------------------------------------------------------------------------
@@ -84,7 +101,8 @@ def test_default_trainer_config_is_exactly_the_preset(alg):
     assert L.loss_spec(alg, **tc.loss_overrides()) == L.ALGORITHMS[alg]
 
 
-@pytest.mark.parametrize("alg", C.ALGORITHMS)
+# A distillation preset's run names its teacher run, so it has no stand-alone file.
+@pytest.mark.parametrize("alg", [a for a in C.ALGORITHMS if not A.PRESETS[a].needs_teacher])
 def test_algorithm_config_files_spell_out_their_preset(alg):
     cfg = C.load_config(ROOT / "configs" / "algorithms" / f"{alg}.yaml")
     assert cfg.trainer.algorithm == alg
@@ -325,7 +343,7 @@ def test_every_algorithm_takes_a_real_step(alg, grpo_run, trainer, real_batch):
     params, opt_state = learner.init_state(trainer._base_params())
     before = jax.tree.map(np.asarray, params)
     ref = trainer._base_params() if learner.needs_ref else None
-    inputs = learner.inputs(real_batch)
+    inputs = learner.inputs(with_teacher(real_batch) if learner.spec.needs_teacher else real_batch)
     params, opt_state, metrics = learner.step(params, opt_state, ref, inputs)
     _finite(metrics)
     assert metrics["grad_norm"] > 0
@@ -813,3 +831,85 @@ def test_the_publishing_policy_is_the_run_configs():
     )
     assert publish_policy(cfg) == want
     assert publish_policy(tiny_config("rollout.lease_seconds=120")).clock_skew_s == 30.0
+
+
+# --------------------------------------------------------------------------------------
+# On-policy distillation: the Learner's step with the batch's teacher log-probs
+# --------------------------------------------------------------------------------------
+
+OPD_PATHS = {
+    "single": {},
+    "fused": {},
+    "several updates": {"mini_batches": 2, "epochs": 2, "micro_batch": 4},
+}
+
+
+def _pi_old(run, learner: Learner, inputs) -> np.ndarray:
+    """[R, C] log pi of the sampled tokens under the base model (the params a step starts
+    from), from the model directly: not through any trainer program."""
+    cfg = run.config
+    model = init_model(cfg.model, 0)
+    server = base_server(run)
+    load_flat_params(model, server.pull(server.latest_version()).tensors)
+    logp = sequence_logprobs(
+        model,
+        jnp.asarray(inputs.tokens),
+        jnp.asarray(inputs.mask),
+        float(cfg.sampler.temperature),
+        first=learner.prompt_len,
+    )
+    return np.asarray(logp, np.float64)
+
+
+@pytest.mark.distill
+@pytest.mark.parametrize("path", sorted(OPD_PATHS))
+def test_an_opd_step_reports_the_reverse_kl_of_its_own_pi_old(path, grpo_run, trainer, real_batch):
+    cfg = with_trainer(grpo_run.config, algorithm="opd", **OPD_PATHS[path])
+    learner = Learner(cfg, trainer.prompt_len, fused=path == "fused")
+    batch = with_teacher(real_batch)
+    inputs = learner.inputs(batch)
+    comp = np.asarray(inputs.comp_mask, np.float64)
+    lt = np.asarray(inputs.logp_teacher, np.float64)
+    for i, row in enumerate(batch.teacher_logprobs):  # packed beside the completion
+        np.testing.assert_array_equal(lt[i, : len(row)], np.asarray(row, np.float32))
+        assert not lt[i, len(row) :].any()
+    pi_old = _pi_old(grpo_run, learner, inputs)
+    want = float(((pi_old - lt) * comp).sum() / comp.sum())
+    params, opt = learner.init_state(trainer._base_params())
+    before = jax.tree.map(np.asarray, params)
+    params, opt, metrics = learner.step(params, opt, None, inputs)
+    _finite(metrics)
+    assert metrics["reverse_kl"] == pytest.approx(want, abs=1e-5)
+    adv = -(pi_old - lt)[comp > 0]
+    assert metrics["adv_mean"] == pytest.approx(adv.mean(), abs=1e-5)
+    assert metrics["adv_max"] == pytest.approx(adv.max(), abs=1e-5)
+    if path == "several updates":
+        assert metrics["updates"] == 4
+    changed = jax.tree.map(lambda a, b: bool(np.any(a != np.asarray(b))), before, params)
+    assert any(jax.tree.leaves(changed["policy"]))
+    missing = dataclasses.replace(real_batch, teacher_logprobs=None)
+    with pytest.raises(ValueError, match=r"has no teacher_logprobs; the objective .*'opd'"):
+        learner.inputs(missing)
+
+
+@pytest.mark.distill
+@pytest.mark.parametrize("path", ["single", "several updates"])
+def test_an_opd_step_at_the_teacher_leaves_the_params_unchanged(
+    path, grpo_run, trainer, real_batch
+):
+    """logp_teacher == logp_old: a zero advantage on every token, so no gradient and (no
+    weight decay) no update. pi_old anchored at the sampler's log-probs
+    (old_logprobs=behaviour) makes the equality exact."""
+    changes = {**OPD_PATHS[path], "old_logprobs": "behaviour"}
+    cfg = with_trainer(grpo_run.config, algorithm="opd", **changes)
+    assert cfg.trainer.weight_decay == 0.0
+    learner = Learner(cfg, trainer.prompt_len, fused=False)
+    batch = with_teacher(real_batch, [list(r) for r in real_batch.behaviour_logprobs])
+    params, opt = learner.init_state(trainer._base_params())
+    before = jax.tree.map(np.array, params)
+    params, opt, metrics = learner.step(params, opt, None, learner.inputs(batch))
+    assert metrics["reverse_kl"] == 0.0
+    assert metrics["adv_max"] == 0.0 and metrics["adv_min"] == 0.0
+    assert metrics["grad_norm"] == 0.0
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
