@@ -674,19 +674,11 @@ def test_loss_spec_presets_and_validation():
 # On-policy distillation: the opd preset and the mixed mode (distill_coef)
 # --------------------------------------------------------------------------------------
 
-# Row 0's loss mask has holes (a tool observation between sampled turns); row 4 is fully
-# masked (a padding row); row 5 has one sampled token.
-OPD_MASK = np.array(
-    [
-        [1, 1, 0, 0, 1, 1],
-        [0, 1, 1, 1, 0, 0],
-        [1, 0, 1, 0, 0, 1],
-        [0, 0, 1, 1, 1, 1],
-        [0, 0, 0, 0, 0, 0],
-        [1, 0, 0, 0, 0, 0],
-    ],
-    np.float32,
-)
+# MASK with holes in the loss masks of rows 0 and 2 (tool observations between sampled
+# turns); row 4 stays fully masked (a padding row), row 5 has one sampled token.
+OPD_MASK = MASK.copy()
+OPD_MASK[0, 2:4] = 0
+OPD_MASK[2] = [1, 0, 1, 0, 0, 1]
 
 
 def _opd_inputs(seed=11):
@@ -702,6 +694,14 @@ def _opd_inputs(seed=11):
 
 def np_reverse_kl(lo, lt, mask):
     return float(np.mean((lo - lt)[mask > 0]))
+
+
+def check_distill_metrics(m, want, lo, lt):
+    """reverse_kl and the advantage statistics of the advantage `want` on sampled tokens."""
+    on = OPD_MASK > 0
+    close(m["reverse_kl"], np_reverse_kl(lo, lt, OPD_MASK))
+    for name, stat in (("mean", np.mean), ("std", np.std), ("max", np.max), ("min", np.min)):
+        close(m[f"adv_{name}"], stat(want[on]))
 
 
 def np_opd_loss(lp, lo, lb, lt, mask, el, eh, cap):
@@ -730,11 +730,7 @@ def test_opd_advantage_is_minus_the_log_ratio_to_the_teacher_on_sampled_tokens()
     assert np.all(np.asarray(res.advantages)[~on] == 0.0)  # NaN pads gave exact zeros
     assert res.returns is None
     m = res.metrics
-    close(m["reverse_kl"], np_reverse_kl(lo, lt, OPD_MASK))
-    close(m["adv_mean"], want[on].mean())
-    close(m["adv_std"], want[on].std())
-    close(m["adv_max"], want[on].max())
-    close(m["adv_min"], want[on].min())
+    check_distill_metrics(m, want, lo, lt)
     close(m["reward_mean"], REWARDS.mean())  # reported, not used
     other = L.compute_advantages(
         L.ALGORITHMS["opd"], REWARDS[::-1].copy(), OPD_MASK, logp_old=lo, logp_teacher=lt
@@ -801,11 +797,7 @@ def test_mixed_mode_adds_coef_times_the_distillation_advantage_to_grpo():
     want = np.where(on, np_group_adv(REWARDS, G, "grpo")[:, None] - 0.5 * (lo0 - lt0), 0.0)
     close(res.advantages, want)
     m = res.metrics
-    close(m["reverse_kl"], np_reverse_kl(lo, lt, OPD_MASK))
-    close(m["adv_mean"], want[on].mean())
-    close(m["adv_std"], want[on].std())
-    close(m["adv_max"], want[on].max())
-    close(m["adv_min"], want[on].min())
+    check_distill_metrics(m, want, lo, lt)
     # compute_loss runs the same advantage through grpo's own loss parts
     loss, lm = L.compute_loss(
         spec, lp, lo, OPD_MASK, rewards=REWARDS, group_size=G, logp_ref=lref, logp_teacher=lt
