@@ -3,7 +3,7 @@ to) but carry no loss, KL, entropy or statistic.
 
 Hand-built rows with observation gaps mid-sequence and at the end, checked against
 independent NumPy references that see only the sampled tokens (ragged rows, no masks):
-every one of the ten algorithm presets (loss and its gradient w.r.t. the log-probs and,
+every one of the eleven algorithm presets (loss and its gradient w.r.t. the log-probs and,
 for PPO, the values), the metrics, the trainer's alignment statistics, packing, and SFT.
 """
 
@@ -66,6 +66,10 @@ def _sampled(seed: int) -> dict[str, list[np.ndarray]]:
         old_v = rng.normal(0.3, 0.4, n)
         rows["old_v"].append(old_v)
         rows["v"].append(old_v + rng.normal(0, 0.3, n))
+    # A teacher's log-probs (the opd preset), from a stream of their own so the other
+    # inputs are those drawn before the preset existed.
+    teacher = np.random.default_rng(seed + 1000)
+    rows["teacher"] = [np.minimum(o + teacher.normal(0, 0.5, len(o)), 0.0) for o in rows["old"]]
     return rows
 
 
@@ -125,6 +129,8 @@ def np_advantages(spec, rows) -> tuple[list[np.ndarray], list[np.ndarray] | None
         seq = centred / (tok_std + eps)
     if seq is not None:
         return [np.full(k, a) for k, a in zip(n, seq, strict=True)], None
+    if spec.advantage == "opd":  # -(log pi_old - log pi_teacher), token by token
+        return [t - o for o, t in zip(rows["old"], rows["teacher"], strict=True)], None
     if spec.advantage == "reinforce_pp":
         rets = []
         for i in range(len(n)):
@@ -187,6 +193,12 @@ def np_loss(spec, rows, new_rows, v_rows) -> float:
         np_policy_loss(spec, new, frozen, old, a)
         for new, frozen, old, a in zip(new_rows, rows["new"], rows["old"], adv, strict=True)
     ]
+    if spec.is_correction != "none":  # truncated IS, token level: min(pi_old / pi_beh, C)
+        assert (spec.is_correction, spec.is_level) == ("tis", "token")
+        pg = [
+            x * np.minimum(np.exp(o - b), spec.is_cap)
+            for x, o, b in zip(pg, rows["old"], rows["beh"], strict=True)
+        ]
     loss = np_aggregate(spec, pg)
     if spec.kl_coef:
         kl = [np_kl(spec.kl_estimator, n, r) for n, r in zip(new_rows, rows["ref"], strict=True)]
@@ -228,7 +240,7 @@ def np_grads(spec, rows) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 # --------------------------------------------------------------------------------------
-# The ten presets against the reference
+# The eleven presets against the reference
 # --------------------------------------------------------------------------------------
 
 
@@ -250,6 +262,7 @@ def _jax_loss(spec, rows, junk):
             values=values if spec.vf_coef else None,
             old_values=dense["old_v"],
             entropy=dense["ent"],
+            logp_teacher=dense["teacher"] if spec.needs_teacher else None,
         )
 
     (loss, metrics), (g_new, g_v) = jax.value_and_grad(f, (0, 1), has_aux=True)(
@@ -261,8 +274,8 @@ def _jax_loss(spec, rows, junk):
 ALGORITHMS = sorted(PRESETS)
 
 
-def test_the_ten_presets_are_all_here():
-    assert len(ALGORITHMS) == 10
+def test_the_eleven_presets_are_all_here():
+    assert len(ALGORITHMS) == 11
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
