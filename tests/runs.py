@@ -36,6 +36,30 @@ def tiny_config(*overrides: str) -> RunConfig:
     return load_config(ROOT / "configs/tiny.yaml", list(overrides))
 
 
+def with_algorithm(cfg: RunConfig, algorithm: str, **trainer_changes) -> RunConfig:
+    """`cfg` with `trainer.algorithm` (and other trainer fields) changed; an objective that
+    reads a teacher gets one (a Learner never opens it: it reads the batch's
+    teacher_logprobs), any other has none."""
+    from pipeline import algorithms
+    from pipeline.distill import DistillConfig
+
+    trainer = replace(cfg.trainer, algorithm=algorithm, **trainer_changes)
+    spec = algorithms.loss_spec(algorithm, **trainer.loss_overrides())
+    distill = DistillConfig(teacher="/no/teacher/run" if spec.needs_teacher else "")
+    return replace(cfg, trainer=trainer, distill=distill)
+
+
+def with_teacher(batch: RolloutBatch, teacher: list | None = None) -> RolloutBatch:
+    """`batch` with a teacher's log-probs: `teacher`, or the sampler's moved by -0.5, 0 and
+    +0.5 nat in turn (capped at 0), so the distillation advantage takes both signs."""
+    if teacher is None:
+        teacher = [
+            np.minimum(np.asarray(lb) + 0.5 * (np.arange(len(lb)) % 3 - 1), 0.0).tolist()
+            for lb in batch.behaviour_logprobs
+        ]
+    return replace(batch, teacher_logprobs=teacher)
+
+
 def clone_run(
     src: Run, url: str, cfg: RunConfig | None = None, prefixes: tuple[str, ...] = ("data/", "base/")
 ) -> Run:

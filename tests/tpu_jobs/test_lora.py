@@ -20,7 +20,7 @@ from pipeline.lora import LoraConfig, adapter_shapes, is_adapter, merge
 from pipeline.paramserver.adapters import BASE_DIGEST, LORA_SCALE, PolicyReader
 from pipeline.rollouts import to_parquet_bytes
 from pipeline.run import Run, base_server, start_adapter_server, weights_server
-from tests.runs import clone_run
+from tests.runs import clone_run, with_algorithm, with_teacher
 from tpu_jobs import rollout_worker as rw
 from tpu_jobs.learning.step import Learner
 from tpu_jobs.model.state import flat_to_state, split_lora, state_to_flat
@@ -241,13 +241,14 @@ def test_kl_reference_is_the_base_with_adapters_off(lora_run, trainer, real_batc
 
 @pytest.mark.parametrize("alg", C.ALGORITHMS)
 def test_every_algorithm_steps_the_adapters(alg, lora_run, trainer, real_batch):
-    cfg = replace(lora_run.config, trainer=replace(lora_run.config.trainer, algorithm=alg))
+    cfg = with_algorithm(lora_run.config, alg)
     learner = Learner(cfg, trainer.prompt_len, fused=False)
     frozen = trainer._base_params()
     params, opt_state = learner.init_state(learner.new_policy(cfg.seed))
     before = state_to_flat(params["policy"])
     ref = frozen if learner.needs_ref else None
-    params, _, metrics = learner.step(params, opt_state, ref, learner.inputs(real_batch), frozen)
+    batch = with_teacher(real_batch) if learner.spec.needs_teacher else real_batch
+    params, _, metrics = learner.step(params, opt_state, ref, learner.inputs(batch), frozen)
     bad = {k: v for k, v in metrics.items() if not np.isfinite(v)}
     assert not bad, bad
     assert metrics["grad_norm"] > 0

@@ -22,13 +22,12 @@ import pytest
 
 from pipeline import algorithms as A
 from pipeline import config as C
-from pipeline.distill import DistillConfig
 from pipeline.leases import BatchLeases
 from pipeline.paramserver.adapters import PolicyReader
 from pipeline.rollouts import RolloutBatch, from_parquet_bytes, to_parquet_bytes
 from pipeline.run import DONE_KEY, base_server
 from pipeline.tasks import get_task
-from tests.runs import clone_run
+from tests.runs import clone_run, with_algorithm, with_teacher
 from tpu_jobs import rollout_worker as rw
 from tpu_jobs.learning import losses as L
 from tpu_jobs.learning.step import Learner
@@ -46,23 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def with_trainer(cfg: C.RunConfig, **changes) -> C.RunConfig:
-    """`cfg` with trainer fields changed; an objective that reads a teacher gets one (the
-    Learner never opens it: it reads the batch's teacher_logprobs)."""
-    trainer = replace(cfg.trainer, **changes)
-    spec = L.loss_spec(trainer.algorithm, **trainer.loss_overrides())
-    teacher = DistillConfig(teacher="/no/teacher/run" if spec.needs_teacher else "")
-    return replace(cfg, trainer=trainer, distill=teacher)
-
-
-def with_teacher(batch: RolloutBatch, teacher: list | None = None) -> RolloutBatch:
-    """`batch` with a teacher's log-probs: `teacher`, or the sampler's moved by -0.5, 0 and
-    +0.5 nat in turn (capped at 0), so the distillation advantage takes both signs."""
-    if teacher is None:
-        teacher = [
-            np.minimum(np.asarray(lb) + 0.5 * (np.arange(len(lb)) % 3 - 1), 0.0).tolist()
-            for lb in batch.behaviour_logprobs
-        ]
-    return dataclasses.replace(batch, teacher_logprobs=teacher)
+    return with_algorithm(cfg, changes.pop("algorithm", cfg.trainer.algorithm), **changes)
 
 
 # --------------------------------------------------------------------------------------
