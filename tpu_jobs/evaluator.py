@@ -66,13 +66,13 @@ from pipeline.metrics import (
     tool_use_stats,
     within_problem_auc,
 )
-from pipeline.paramserver import ParamServer
+from pipeline.paramserver import ParamServer, Snapshot
 from pipeline.paramserver.adapters import PolicyReader
 from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
 from pipeline.run import DONE_KEY, Run, base_server, weights_server
 from pipeline.tasks import get_task
 from pipeline.tasks.datasets import DATASETS, load_dataset
-from pipeline.teacher import check_copy, pin_teacher, teacher_config, teacher_server
+from pipeline.teacher import check_copy, pin_teacher, teacher_config
 from tpu_jobs.generate.episodes import sample_rows
 from tpu_jobs.generate.interface import sampling_params
 from tpu_jobs.generate.policy import Policy, load_policy
@@ -229,15 +229,15 @@ class Evaluator:
         per (n, ks, dataset), a retry skips it. Its `version` column and field is 0, the
         teacher's version on the run's teacher server; `teacher` says which snapshot it is."""
         pin = pin_teacher(self.run)
-        check_copy(self.run, pin)
 
         def policy() -> Policy:
             # The teacher's own shape (its run's model section), loaded only to sample: a
-            # retry that finds the samples needs no second model in memory.
+            # retry that finds the samples needs no second model in memory. The copy is
+            # verified against the pin as it is read (once).
             return load_policy(
                 self.run,
                 "eval",
-                snapshot=teacher_server(self.run).pull(0),
+                snapshot=Snapshot.of(0, check_copy(self.run, pin)),
                 mesh=self.mesh,
                 model=teacher_config(self.run).model,
             )
