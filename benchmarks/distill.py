@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from demo_seeds import _ci, cpu_name, write_results  # noqa: E402
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.paramserver import ParamServer  # noqa: E402
+from pipeline.paramserver import ParamServer, Snapshot  # noqa: E402
 from pipeline.paramserver.adapters import PolicyReader, base_digest  # noqa: E402
 from pipeline.problem_sets import write_data  # noqa: E402
 from pipeline.run import Run, base_server, weights_server  # noqa: E402
@@ -130,7 +130,7 @@ def sft_on_teacher(
     from pipeline.tokenizer.run import run_tokenizer
     from tpu_jobs.generate.episodes import sample_rows
     from tpu_jobs.generate.interface import sampling_params
-    from tpu_jobs.generate.registry import make_sampler
+    from tpu_jobs.generate.policy import load_policy
     from tpu_jobs.generate.sample_verify import ROLLOUT_STREAM, sample_keys
     from tpu_jobs.model.batching import pack_rows, round_up
     from tpu_jobs.model.state import make_optimizer, params_to_flat, split_model
@@ -145,10 +145,11 @@ def sft_on_teacher(
     tok = run_tokenizer(run)
     problems = run.read_problems("train")
     teacher_run = Run.open(teacher["run"])
-    t_model = init_model(teacher_run.config.model, 0)
     reader = PolicyReader(ParamServer(teacher_run.store), base_server(teacher_run))
-    load_flat_params(t_model, reader.pull(teacher["version"]).tensors)
-    sampler = make_sampler(cfg, tok, None)
+    snap = Snapshot.of(0, dict(reader.pull(teacher["version"]).tensors))
+    # The teacher samples with its own shape, on the student run's prompts and settings.
+    policy = load_policy(run, "rollout", snapshot=snap, model=teacher_run.config.model)
+    t_model, sampler = policy.model, policy.sampler
     student = init_model(cfg.model, cfg.seed)
     load_flat_params(student, base.pull(0).tensors)
     fns, params = split_model(student)
