@@ -125,7 +125,6 @@ def sft_on_teacher(
     per batch, versions published every `eval.every` steps into a run at `url` (module doc).
     Returns the curve {version: {"train_s", "teacher_tokens"}}."""
     import jax
-    import optax
 
     from pipeline.tokenizer.run import run_tokenizer
     from tpu_jobs.generate.episodes import sample_rows
@@ -135,7 +134,7 @@ def sft_on_teacher(
     from tpu_jobs.model.batching import pack_rows, round_up
     from tpu_jobs.model.state import make_optimizer, params_to_flat, split_model
     from tpu_jobs.model.transformer import init_model, load_flat_params
-    from tpu_jobs.sft import sft_loss
+    from tpu_jobs.sft import sft_step
 
     copy_base(base_run, url, config, overrides)
     run = Run.open(url)
@@ -159,13 +158,7 @@ def sft_on_teacher(
     prompt_len = round_up(max(len(tok.encode_prompt(q.prompt)) for q in problems), 8)
     width = cfg.completion_tokens()
 
-    @jax.jit
-    def step_fn(params, opt_state, tokens, mask, comp_mask):
-        loss, grads = jax.value_and_grad(
-            lambda prm: sft_loss(fns, prm, tokens, mask, comp_mask, prompt_len)
-        )(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    step_fn = sft_step(fns, tx, prompt_len)
 
     ps = weights_server(run)
     epoch = ps.acquire_epoch()

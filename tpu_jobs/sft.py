@@ -134,6 +134,21 @@ def sft_loss(fns, params, tokens, mask, comp_mask, prompt_len: int) -> jax.Array
     return -(logp * comp_mask).sum() / jnp.maximum(comp_mask.sum(), 1.0)
 
 
+def sft_step(fns, tx: optax.GradientTransformation, prompt_len: int):
+    """The jitted SFT update (params, opt_state, tokens, mask, comp_mask) -> (params,
+    opt_state, loss) of `sft_loss` under the optimizer `tx`."""
+
+    @jax.jit
+    def step_fn(params, opt_state, tokens, mask, comp_mask):
+        loss, grads = jax.value_and_grad(
+            lambda prm: sft_loss(fns, prm, tokens, mask, comp_mask, prompt_len)
+        )(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step_fn
+
+
 def train_sft(run: Run) -> dict[str, float]:
     """Train the base model and publish it as version 0 of `base/`.
 
@@ -165,14 +180,7 @@ def train_sft(run: Run) -> dict[str, float]:
     tx = make_optimizer(sc.lr, sc.warmup_steps, sc.steps, sc.weight_decay, 1.0)
     opt_state = tx.init(params)
 
-    @jax.jit
-    def step_fn(params, opt_state, tokens, mask, comp_mask):
-        loss, grads = jax.value_and_grad(
-            lambda prm: sft_loss(fns, prm, tokens, mask, comp_mask, prompt_len)
-        )(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step_fn = sft_step(fns, tx, prompt_len)
     t0 = time.time()
     tokens_seen = 0
     loss = float("nan")
