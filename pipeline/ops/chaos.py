@@ -11,6 +11,14 @@ verified checkpoint, one kill of a worker holding a lease (mid-batch) and one re
 checkpoint. The schedule aims the first kills at exactly those moments (then kills at
 random), and a run without all three is reported inconclusive (`rlax chaos` exits 1): random
 kills alone once all landed before training got going and still reported success.
+
+Beyond the final parameters, every committed rollout batch must be bit-identical to the
+reference's of the same index (all columns but the worker that made it), and a run with a
+teacher (on-policy distillation, `distill.teacher`: an input both runs name, as they share
+data and base) must pin the same teacher, with one verified copy, in both runs.
+`ChaosSettings.failpoints` arms named crash points (`pipeline.failpoints`) in each process's
+first start, for the moments random kills rarely hit (the teacher's pin, at startup); a
+process that kills itself there is restarted like a killed one.
 """
 
 from __future__ import annotations
@@ -27,10 +35,23 @@ import numpy as np
 
 from pipeline.config import MAX_WORKERS, RunConfig
 from pipeline.errors import ArgumentError, check
-from pipeline.layout import worker_ids
+from pipeline.failpoints import ENV as FAILPOINTS_ENV
+from pipeline.layout import ROLLOUTS_PREFIX, worker_ids
 from pipeline.ops import launcher
 from pipeline.paramserver import ParamServer
+from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
 from pipeline.run import BASE_PREFIX, CHECKPOINT_MANIFESTS, DATA_PREFIX, DONE_KEY, Run
+from pipeline.teacher import (
+    PIN_KEY,
+    TEACHER_CONFIG_KEY,
+    TeacherError,
+    check_copy,
+    read_pin,
+    teacher_server,
+)
+
+# Batch columns that say who made a batch, not what it is: a redone batch may differ there.
+PROVENANCE_COLUMNS = ("worker_id",)
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,9 @@ class ChaosSettings:
     workers: int = 2
     seed: int = 0
     timeout_s: float = 1800.0
+    # RLAX_FAILPOINTS of each process's first start ("teacher.before_pin"); restarts run
+    # without, as a retry after a one-off fault does.
+    failpoints: str = ""
 
     def __post_init__(self) -> None:
         # Named as `rlax chaos` spells them: that is where a bad value comes from.
@@ -66,6 +90,7 @@ class ChaosStats:
     restarts: int = 0
     workers_killed_holding_lease: int = 0
     trainer_killed_after_checkpoint: int = 0
+    failpoints_hit: int = 0  # processes that killed themselves at an armed failpoint
     latest_history: list[int] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -114,9 +139,9 @@ def clone_inputs(src: Run, dst: Run) -> None:
         _copy_prefix(src, dst, prefix)
 
 
-def _start(fleet: launcher.Fleet, name: str) -> None:
+def _start(fleet: launcher.Fleet, name: str, env: dict[str, str] | None = None) -> None:
     role, extra = ("train", ()) if name == "trainer" else ("rollout", ("--worker-id", name))
-    fleet.start(name, role, extra)
+    fleet.start(name, role, extra, env)
 
 
 def _names(workers: int) -> list[str]:
@@ -147,8 +172,9 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
     monitor.start()
     names = _names(s.workers)
     fleet = launcher.Fleet(run.url)
+    armed = {FAILPOINTS_ENV: s.failpoints} if s.failpoints else None
     for name in names:
-        _start(fleet, name)
+        _start(fleet, name, armed)
     procs = fleet.procs
     t0 = time.time()
     next_kill = t0 + rng.uniform(s.min_interval_s, s.max_interval_s)
@@ -161,6 +187,12 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
             fleet.check(tolerated=(-signal.SIGKILL,))  # our own kills
             if "trainer" in finished and finished >= set(names):
                 break
+            # Our kills are restarted at once, so a SIGKILLed process here killed itself.
+            for name in [n for n, p in procs.items() if p.returncode == -signal.SIGKILL]:
+                log(f"[chaos] {name} killed itself at a failpoint; restarted")
+                _start(fleet, name)
+                stats.failpoints_hit += 1
+                stats.restarts += 1
             done = run.store.exists(DONE_KEY)
             total_kills = sum(stats.kills.values())
             live = [n for n, p in procs.items() if p.poll() is None]
@@ -249,6 +281,52 @@ def final_params_equal(a: Run, b: Run) -> tuple[bool, str]:
     return True, f"all {len(ta)} tensors of v{va} bit-identical"
 
 
+def batches_equal(a: Run, b: Run) -> tuple[bool, str]:
+    """Whether `a` and `b` committed the same batch indices, each bit-identical in every
+    column but `PROVENANCE_COLUMNS` (the teacher's log-probs included), and if not, the
+    first difference."""
+    keys = [
+        sorted(k for k in r.store.list(f"{ROLLOUTS_PREFIX}/") if k.endswith(".parquet"))
+        for r in (a, b)
+    ]
+    if keys[0] != keys[1]:
+        return False, f"committed batches differ: {len(keys[0])} vs {len(keys[1])}"
+    columns: list[str] = []
+    for key in keys[0]:
+        ta, tb = (table_from_bytes(r.store.read(key)) for r in (a, b))
+        if ta.column_names != tb.column_names:
+            return False, f"{key}: columns {ta.column_names} vs {tb.column_names}"
+        columns = [c for c in ta.column_names if c not in PROVENANCE_COLUMNS]
+        for name in columns:
+            # Parquet stores floats as their IEEE bits: equal bytes are equal bits.
+            if table_to_bytes(ta.select([name])) != table_to_bytes(tb.select([name])):
+                return False, f"{key}: column {name} differs"
+    return True, f"all {len(keys[0])} batches bit-identical ({len(columns)} columns)"
+
+
+def teachers_equal(a: Run, b: Run) -> tuple[bool | None, str]:
+    """None when the runs have no teacher; else whether both pinned the same teacher (the
+    same pin.json and teacher config bytes) and hold one copy of it, its digest verified."""
+    if not (a.config.distill.enabled or b.config.distill.enabled):
+        return None, "no teacher"
+    for r in (a, b):
+        pin = read_pin(r)
+        if pin is None:
+            return False, f"{r.url} has no {PIN_KEY}"
+        versions = teacher_server(r).versions()
+        if versions != [0]:
+            return False, f"{r.url} holds teacher versions {versions}; one copy (v0) expected"
+        try:
+            check_copy(r, pin)
+        except TeacherError as err:
+            return False, str(err)
+    for key in (PIN_KEY, TEACHER_CONFIG_KEY):
+        if a.store.read(key) != b.store.read(key):
+            return False, f"{key} differs"
+    copies = teacher_server(b).current_epoch()
+    return True, f"both pinned {read_pin(a).describe()}; copies begun in the chaos run: {copies}"
+
+
 def account(run: Run, stats: ChaosStats) -> dict[str, Any]:
     """Batches produced / consumed / produced twice / lost, wasted work, restores."""
     steps = run.config.trainer.steps
@@ -271,6 +349,7 @@ def account(run: Run, stats: ChaosStats) -> dict[str, Any]:
         "tokens_discarded": sum(a["tokens"] for a in attempts if not a["committed"]),
         "workers_killed_mid_batch": stats.workers_killed_holding_lease,
         "trainer_killed_after_checkpoint": stats.trainer_killed_after_checkpoint,
+        "failpoints_hit": stats.failpoints_hit,
         "chaos_wall_s": round(stats.wall_s, 1),
     }
     missing = [
@@ -317,6 +396,8 @@ def format_report(result: dict[str, Any]) -> str:
         ),
         ("final parameters bit-identical", result["identical"]),
         ("comparison", result["comparison"]),
+        ("rollout batches", result["batches_comparison"]),
+        ("teacher (pin and copy)", result["teacher_comparison"]),
         (
             "kills (trainer / rollout)",
             f"{result['kills']['trainer']} / {result['kills']['rollout']}",
@@ -330,6 +411,7 @@ def format_report(result: dict[str, Any]) -> str:
         ("batches lost", result["batches_lost"]),
         ("LATEST moved backwards", result["latest_moved_backwards"]),
         ("checkpoints restored", result["checkpoints_restored"]),
+        ("failpoints hit (process restarted)", result["failpoints_hit"]),
         ("trainer kills after its first checkpoint", result["trainer_killed_after_checkpoint"]),
         ("trainer steps recomputed after a kill", result["trainer_steps_recomputed"]),
         (
@@ -360,5 +442,15 @@ def run_chaos(root: str, cfg: RunConfig, settings: ChaosSettings, log=print) -> 
     stats = run_with_chaos(chaos, settings, log)
     result = account(chaos, stats)
     identical, comparison = final_params_equal(ref, chaos)
-    result.update(identical=identical, comparison=comparison, reference_wall_s=round(ref_wall, 1))
+    batches_identical, batches_comparison = batches_equal(ref, chaos)
+    teacher_identical, teacher_comparison = teachers_equal(ref, chaos)
+    result.update(
+        identical=identical,
+        comparison=comparison,
+        batches_identical=batches_identical,
+        batches_comparison=batches_comparison,
+        teacher_identical=teacher_identical,
+        teacher_comparison=teacher_comparison,
+        reference_wall_s=round(ref_wall, 1),
+    )
     return result

@@ -103,6 +103,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         seed=args.seed,
         min_interval_s=args.min_interval,
         max_interval_s=args.max_interval,
+        failpoints=args.failpoints,
     )
     result = run_chaos(root, cfg, settings)
     table = format_report(result)
@@ -114,6 +115,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     ok = (
         result["conclusive"]
         and result["identical"]
+        and result["batches_identical"]
+        and result["teacher_identical"] is not False  # None: no teacher
         and result["batches_lost"] == 0
         and not result["latest_moved_backwards"]
         and result["batches_produced_twice"] == 0
@@ -311,6 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-interval", type=float, default=1.0, help="seconds between kills, min")
     p.add_argument("--max-interval", type=float, default=5.0, help="seconds between kills, max")
+    p.add_argument(
+        "--failpoints",
+        default="",
+        help="RLAX_FAILPOINTS of each process's first start (teacher.before_pin, ...)",
+    )
     p.add_argument("--out", help="write the report table (markdown) and JSON here")
     p.set_defaults(func=cmd_chaos)
 

@@ -181,15 +181,22 @@ def start(
     extra: Sequence[str] = (),
     *,
     log_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen:
-    """Start a job; its output goes to `log_path` (or is inherited when None)."""
+    """Start a job; its output goes to `log_path` (or is inherited when None); `env`: set
+    in its environment on top of `job_env()` (chaos arms failpoints so)."""
     cmd = job_command(role, run_url, extra)
     out = None
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     try:
-        return spawn(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=job_env())
+        return spawn(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            env={**job_env(), **(env or {})},
+        )
     finally:
         if out is not None:
             out.close()  # the child has its own descriptor
@@ -317,8 +324,14 @@ class Fleet:
         if self.log_dir is None:
             self.log_dir = log_dir(self.run_url)
 
-    def start(self, name: str, role: str, extra: Sequence[str] = ()) -> subprocess.Popen:
-        self.procs[name] = start(role, self.run_url, extra, log_path=self.log_path(name))
+    def start(
+        self,
+        name: str,
+        role: str,
+        extra: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.Popen:
+        self.procs[name] = start(role, self.run_url, extra, log_path=self.log_path(name), env=env)
         return self.procs[name]
 
     def log_path(self, name: str) -> Path:
