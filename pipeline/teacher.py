@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pipeline import failpoints
 from pipeline.errors import ConfigError
 from pipeline.layout import BASE_PREFIX, CONFIG_KEY, HF_PREFIX
 
@@ -142,6 +143,8 @@ def pin_teacher(run: Run, *, wait_s: float = 600.0) -> TeacherPin:
         requested = cfg.teacher_version if pin is None else str(pin.version)
         try:
             _copy_teacher(run, server, requested)
+            # Killed here, the copy is committed and the pin is not: the next job pins it.
+            failpoints.hit("teacher.before_pin")
         except StaleEpochError:
             # Another job of the run copies it at this moment: wait for its version 0.
             deadline = time.monotonic() + wait_s
@@ -193,6 +196,9 @@ def _copy_teacher(run: Run, server: ParamServer, requested: str) -> None:
     else:  # the teacher as it samples: a LoRA teacher's adapters merged into its base
         snap = PolicyReader(ParamServer(teacher.store), base_server(teacher)).pull(on_source)
     run.store.write_new(TEACHER_CONFIG_KEY, teacher.store.read(CONFIG_KEY))  # kept on a re-copy
+    # Killed here, the config is there without the weights: the next job copies both (the
+    # config's create-only write then finds the same bytes).
+    failpoints.hit("teacher.before_publish")
     server.publish(
         0,
         dict(snap.tensors),

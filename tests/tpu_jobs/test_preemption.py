@@ -9,7 +9,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pipeline.ops.chaos import ChaosSettings, account, final_params_equal, run_with_chaos
+from pipeline.ops.chaos import (
+    ChaosSettings,
+    account,
+    batches_equal,
+    final_params_equal,
+    run_with_chaos,
+    teachers_equal,
+)
 from pipeline.run import DONE_KEY
 from tests.runs import assert_bit_identical, clone_run, final_tensors, start, wait_all
 
@@ -101,14 +108,27 @@ def test_worker_sigkill_mid_batch(reference, tmp_path):
     assert_bit_identical(final_tensors(reference)[1], final_tensors(run)[1])
 
 
-def _small_chaos(reference, run) -> None:
-    """Four kills on `run`; it must end bit-identical to `reference`, every batch produced
-    once and consumed, the recovery really tested."""
-    settings = ChaosSettings(kills=4, min_interval_s=2.0, max_interval_s=5.0, seed=3, timeout_s=400)
+def _small_chaos(reference, run, failpoints: str = "") -> dict:
+    """Four kills on `run` (and `failpoints` armed in each process's first start); it must
+    end bit-identical to `reference` (final parameters, every batch, the teacher's pin and
+    copy), every batch produced once and consumed, the recovery really tested. Returns the
+    harness's account of the run."""
+    settings = ChaosSettings(
+        kills=4,
+        min_interval_s=2.0,
+        max_interval_s=5.0,
+        seed=3,
+        timeout_s=400,
+        failpoints=failpoints,
+    )
     stats = run_with_chaos(run, settings, log=lambda m: None)
     result = account(run, stats)
     identical, why = final_params_equal(reference, run)
     assert identical, why
+    identical, why = batches_equal(reference, run)
+    assert identical, why
+    identical, why = teachers_equal(reference, run)
+    assert identical is not False, why
     assert result["batches_lost"] == 0 and result["batches_produced_twice"] == 0
     assert result["batches_consumed"] == STEPS
     assert not result["latest_moved_backwards"]
@@ -117,6 +137,7 @@ def _small_chaos(reference, run) -> None:
     assert result["conclusive"], result["inconclusive_because"]
     assert result["trainer_killed_after_checkpoint"] >= 1
     assert result["workers_killed_mid_batch"] >= 1 and result["checkpoints_restored"] >= 1
+    return result
 
 
 def test_small_chaos_run(reference, tmp_path):
@@ -180,6 +201,102 @@ def test_chaos_run_with_a_moe_model_ends_bit_identical(tmp_path):
     assert batch.routing is not None and len(batch.routing) == len(batch)
     run = clone_run(base, str(tmp_path / "chaos"))
     _small_chaos(reference, run)
+    assert final_tensors(run)[0] == STEPS
+
+
+def _distill_config(teacher, *overrides: str):
+    """A student run's config: opd, learning from `teacher`'s base."""
+    from tests.runs import tiny_config
+
+    return tiny_config(
+        "trainer.algorithm=opd",
+        f"distill.teacher={teacher.url}",
+        "distill.teacher_version=base",
+        *overrides,
+    )
+
+
+# pin_teacher as a rollout worker's startup runs it, in a process of its own (failpoints
+# SIGKILL the process).
+_PIN = (
+    "import sys; from pipeline.run import Run; from pipeline.teacher import pin_teacher; "
+    "pin_teacher(Run.open(sys.argv[1]))"
+)
+
+
+def _pin_process(run, failpoints: str) -> int:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RLAX_FAILPOINTS": failpoints}
+    done = subprocess.run([sys.executable, "-c", _PIN, run.url], env=env, timeout=120, check=False)
+    return done.returncode
+
+
+@pytest.mark.slow
+def test_distill_teacher_pin_killed_before_publish_and_before_pin_is_finished_by_the_next_job(
+    tiny_base, tmp_path
+):
+    """A job killed after the teacher's config is copied but not its weights, then one
+    killed after the weights are committed but before the pin: the next job finishes the
+    pin, with nothing copied twice, and pins what an uninterrupted pin does."""
+    from pipeline.run import Run, base_server
+    from pipeline.teacher import (
+        PIN_KEY,
+        TEACHER_CONFIG_KEY,
+        check_copy,
+        pin_teacher,
+        read_pin,
+        teacher_server,
+    )
+
+    cfg = _distill_config(tiny_base)
+    run = Run.create(str(tmp_path / "killed"), cfg)
+    server = teacher_server(run)
+    assert _pin_process(run, "teacher.before_publish") == -9
+    assert run.store.exists(TEACHER_CONFIG_KEY) and server.versions() == []
+    assert read_pin(run) is None
+    assert _pin_process(run, "teacher.before_pin") == -9
+    assert server.versions() == [0] and read_pin(run) is None
+    # Armed at both points, the next job finds the copy: it copies nothing, it only pins.
+    assert _pin_process(run, "teacher.before_publish,teacher.before_pin") == 0
+    assert server.current_epoch() == 1  # one copy begun (the first job died before its)
+    straight = Run.create(str(tmp_path / "straight"), cfg)
+    pin_teacher(straight)
+    assert run.store.read(PIN_KEY) == straight.store.read(PIN_KEY)
+    assert run.store.read(TEACHER_CONFIG_KEY) == tiny_base.store.read("config.json")
+    check_copy(run, read_pin(run))
+    base = base_server(tiny_base)
+    expected = {k: np.asarray(t) for k, t in base.pull(base.latest_version()).tensors.items()}
+    got = {k: np.asarray(t) for k, t in server.pull(0).tensors.items()}
+    assert_bit_identical(expected, got)
+
+
+@pytest.mark.slow
+def test_chaos_run_with_distillation_ends_bit_identical(tiny_base, tmp_path):
+    """On-policy distillation (opd) of a smaller student (hidden 32, a 20-step SFT base)
+    from tiny_base's base: an uninterrupted run and a chaos run (the first worker to copy the
+    teacher killed before its pin, then the usual kills) end with bit-identical versions,
+    batches (teacher_logprobs included) and teacher pins. `slow` lane
+    (`pytest -m slow tests/tpu_jobs/test_preemption.py -k distill`)."""
+    from pipeline.rollouts import from_parquet_bytes
+    from tests.runs import make_base
+
+    cfg = _distill_config(
+        tiny_base, "model.hidden_size=32", "sft.steps=20", f"trainer.steps={STEPS}"
+    )
+    student = make_base(str(tmp_path / "student"), cfg)
+    reference = clone_run(student, str(tmp_path / "reference"))
+    procs = {n: start(reference, n, tmp_path / "logs") for n in ("trainer", "w0", "w1")}
+    assert wait_all(procs, 240) == {"trainer": 0, "w0": 0, "w1": 0}
+    kl = [r["reverse_kl"] for r in reference.read_metrics("train")]
+    assert len(kl) == STEPS and min(map(abs, kl)) > 0.0, "the teacher must differ from the student"
+    batch = from_parquet_bytes(reference.store.read("rollouts/b00000000.parquet"))
+    assert batch.teacher_logprobs is not None and len(batch.teacher_logprobs) == len(batch)
+    run = clone_run(student, str(tmp_path / "chaos"))
+    result = _small_chaos(reference, run, failpoints="teacher.before_pin")
+    assert result["failpoints_hit"] >= 1  # a worker died between the copy and the pin
     assert final_tensors(run)[0] == STEPS
 
 
