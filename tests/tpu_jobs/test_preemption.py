@@ -217,21 +217,26 @@ def _distill_config(teacher, *overrides: str):
 
 
 # pin_teacher as a rollout worker's startup runs it, in a process of its own (failpoints
-# SIGKILL the process).
+# SIGKILL the process), once the wall clock reaches argv[2]: processes started together
+# then enter it within a millisecond or so, not a few import times apart.
 _PIN = (
-    "import sys; from pipeline.run import Run; from pipeline.teacher import pin_teacher; "
-    "pin_teacher(Run.open(sys.argv[1]))"
+    "import sys, time; from pipeline.run import Run; from pipeline.teacher import pin_teacher; "
+    "run = Run.open(sys.argv[1]); time.sleep(max(0.0, float(sys.argv[2]) - time.time())); "
+    "pin_teacher(run)"
 )
 
 
-def _pin_process(run, failpoints: str) -> int:
+def _pin_processes(run, failpoints: str = "", n: int = 1) -> list[int]:
+    """Exit codes of `n` processes pinning `run`'s teacher at once."""
     import os
     import subprocess
     import sys
+    import time
 
     env = {**os.environ, "RLAX_FAILPOINTS": failpoints}
-    done = subprocess.run([sys.executable, "-c", _PIN, run.url], env=env, timeout=120, check=False)
-    return done.returncode
+    at = str(time.time() + 5.0)  # after every process's imports, even on 2 busy cores
+    procs = [subprocess.Popen([sys.executable, "-c", _PIN, run.url, at], env=env) for _ in range(n)]
+    return [p.wait(timeout=120) for p in procs]
 
 
 @pytest.mark.slow
@@ -254,13 +259,13 @@ def test_distill_teacher_pin_killed_before_publish_and_before_pin_is_finished_by
     cfg = _distill_config(tiny_base)
     run = Run.create(str(tmp_path / "killed"), cfg)
     server = teacher_server(run)
-    assert _pin_process(run, "teacher.before_publish") == -9
+    assert _pin_processes(run, "teacher.before_publish") == [-9]
     assert run.store.exists(TEACHER_CONFIG_KEY) and server.versions() == []
     assert read_pin(run) is None
-    assert _pin_process(run, "teacher.before_pin") == -9
+    assert _pin_processes(run, "teacher.before_pin") == [-9]
     assert server.versions() == [0] and read_pin(run) is None
     # Armed at both points, the next job finds the copy: it copies nothing, it only pins.
-    assert _pin_process(run, "teacher.before_publish,teacher.before_pin") == 0
+    assert _pin_processes(run, "teacher.before_publish,teacher.before_pin") == [0]
     assert server.current_epoch() == 1  # one copy begun (the first job died before its)
     straight = Run.create(str(tmp_path / "straight"), cfg)
     pin_teacher(straight)
@@ -271,6 +276,24 @@ def test_distill_teacher_pin_killed_before_publish_and_before_pin_is_finished_by
     expected = {k: np.asarray(t) for k, t in base.pull(base.latest_version()).tensors.items()}
     got = {k: np.asarray(t) for k, t in server.pull(0).tensors.items()}
     assert_bit_identical(expected, got)
+
+
+@pytest.mark.slow
+def test_distill_teacher_pinned_by_four_jobs_at_once_is_copied_once(tiny_base, tmp_path):
+    """Four jobs entering pin_teacher together (a fleet of workers starting) all pin the
+    same teacher from one committed copy: the losers of the copy's epoch race wait for the
+    winner's. (Here all four began a copy in 2 of 3 runs: the teacher EPOCH at 4.)"""
+    from pipeline.run import Run
+    from pipeline.teacher import PIN_KEY, check_copy, pin_teacher, read_pin, teacher_server
+
+    cfg = _distill_config(tiny_base)
+    run = Run.create(str(tmp_path / "together"), cfg)
+    assert _pin_processes(run, n=4) == [0] * 4
+    assert teacher_server(run).versions() == [0]
+    check_copy(run, read_pin(run))
+    straight = Run.create(str(tmp_path / "straight"), cfg)
+    pin_teacher(straight)
+    assert run.store.read(PIN_KEY) == straight.store.read(PIN_KEY)
 
 
 @pytest.mark.slow
