@@ -14,6 +14,26 @@ from collections.abc import Callable
 
 ENV = "RLAX_FAILPOINTS"
 
+# Every failpoint: where it kills, and what the kill leaves behind for the next process.
+POINTS = {
+    "trainer.checkpoint_started": "the trainer, a checkpoint's write begun (a torn checkpoint)",
+    "rollout.before_commit": "a worker, its batch made but not committed (a held lease)",
+    "teacher.before_publish": "pin_teacher, the teacher's config copied, not its weights",
+    "teacher.before_pin": "pin_teacher, the teacher copy committed, not pinned",
+}
+
+
+def check_spec(spec: str) -> None:
+    """Raise ValueError unless `spec` is a valid RLAX_FAILPOINTS value: comma-separated
+    `name` or `name@index` items, each name in POINTS."""
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        point, _, at = item.partition("@")
+        if point not in POINTS or (at and not at.isdigit()):
+            raise ValueError(
+                f"failpoint {item!r} is invalid; allowed: NAME or NAME@INDEX, NAME one of "
+                + ", ".join(POINTS)
+            )
+
 
 def armed(name: str, index: int | None = None) -> bool:
     for item in filter(None, os.environ.get(ENV, "").split(",")):

@@ -36,6 +36,7 @@ import numpy as np
 from pipeline.config import MAX_WORKERS, RunConfig
 from pipeline.errors import ArgumentError, check
 from pipeline.failpoints import ENV as FAILPOINTS_ENV
+from pipeline.failpoints import check_spec as check_failpoints
 from pipeline.layout import ROLLOUTS_PREFIX, worker_ids
 from pipeline.ops import launcher
 from pipeline.paramserver import ParamServer
@@ -82,6 +83,10 @@ class ChaosSettings:
             ),
         ):
             check(ok, flag, value, allowed, error=ArgumentError)
+        try:
+            check_failpoints(self.failpoints)
+        except ValueError as err:
+            raise ArgumentError(f"--failpoints: {err}") from None
 
 
 @dataclass
