@@ -16,9 +16,9 @@ Beyond the final parameters, every committed rollout batch must be bit-identical
 reference's of the same index (all columns but the worker that made it), and a run with a
 teacher (on-policy distillation, `distill.teacher`: an input both runs name, as they share
 data and base) must pin the same teacher, with one verified copy, in both runs.
-`ChaosSettings.failpoints` arms named crash points (`pipeline.failpoints`) in each process's
-first start, for the moments random kills rarely hit (the teacher's pin, at startup); a
-process that kills itself there is restarted like a killed one.
+`ChaosSettings.failpoints` arms named crash points (`pipeline.failpoints`) in each process
+until it kills itself at one, for the moments random kills rarely hit (the teacher's pin, at
+startup); such a process is restarted like a killed one, without them.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class ChaosSettings:
     workers: int = 2
     seed: int = 0
     timeout_s: float = 1800.0
-    # RLAX_FAILPOINTS of each process's first start ("teacher.before_pin"); restarts run
-    # without, as a retry after a one-off fault does.
+    # RLAX_FAILPOINTS of each process ("teacher.before_pin") until it kills itself at one;
+    # its restarts then run without, as a retry after a one-off fault does.
     failpoints: str = ""
 
     def __post_init__(self) -> None:
@@ -177,9 +177,15 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
     monitor.start()
     names = _names(s.workers)
     fleet = launcher.Fleet(run.url)
-    armed = {FAILPOINTS_ENV: s.failpoints} if s.failpoints else None
+    # Each process keeps the failpoints armed until it kills itself at one (a random kill
+    # before that point, at startup say, must not disarm it); its restart runs without.
+    armed = set(names) if s.failpoints else set()
+
+    def start(name: str) -> None:
+        _start(fleet, name, {FAILPOINTS_ENV: s.failpoints} if name in armed else None)
+
     for name in names:
-        _start(fleet, name, armed)
+        start(name)
     procs = fleet.procs
     t0 = time.time()
     next_kill = t0 + rng.uniform(s.min_interval_s, s.max_interval_s)
@@ -195,7 +201,8 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
             # Our kills are restarted at once, so a SIGKILLed process here killed itself.
             for name in [n for n, p in procs.items() if p.returncode == -signal.SIGKILL]:
                 log(f"[chaos] {name} killed itself at a failpoint; restarted")
-                _start(fleet, name)
+                armed.discard(name)
+                start(name)
                 stats.failpoints_hit += 1
                 stats.restarts += 1
             done = run.store.exists(DONE_KEY)
@@ -224,7 +231,7 @@ def run_with_chaos(run: Run, s: ChaosSettings, log=print) -> ChaosStats:
                     f"t={time.time() - t0:.1f}s (LATEST v{_latest(run)})"
                 )
                 time.sleep(s.restart_delay_s)
-                _start(fleet, victim)
+                start(victim)
                 stats.restarts += 1
                 next_kill = time.time() + rng.uniform(s.min_interval_s, s.max_interval_s)
             time.sleep(0.05)

@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--failpoints",
         default="",
-        help="RLAX_FAILPOINTS of each process's first start (teacher.before_pin, ...)",
+        help="RLAX_FAILPOINTS of each process until it hits one (teacher.before_pin, ...)",
     )
     p.add_argument("--out", help="write the report table (markdown) and JSON here")
     p.set_defaults(func=cmd_chaos)

@@ -109,7 +109,7 @@ def test_worker_sigkill_mid_batch(reference, tmp_path):
 
 
 def _small_chaos(reference, run, failpoints: str = "") -> dict:
-    """Four kills on `run` (and `failpoints` armed in each process's first start); it must
+    """Four kills on `run` (and `failpoints` armed in each process until it hits one); it must
     end bit-identical to `reference` (final parameters, every batch, the teacher's pin and
     copy), every batch produced once and consumed, the recovery really tested. Returns the
     harness's account of the run."""
