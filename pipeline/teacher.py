@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 TEACHER_PREFIX = "teacher"
 PIN_KEY = f"{TEACHER_PREFIX}/pin.json"
 TEACHER_CONFIG_KEY = f"{TEACHER_PREFIX}/{CONFIG_KEY}"
+# Create-only: the job that copies the teacher (`_claim_copy`); the others wait for it.
+COPY_CLAIM_KEY = f"{TEACHER_PREFIX}/copying.json"
 
 
 class TeacherError(ConfigError):
@@ -123,12 +125,13 @@ def _resolve(teacher: Run, version: str) -> tuple[ParamServer, int | str, int]:
     return server, int(version), int(version)
 
 
-def pin_teacher(run: Run, *, wait_s: float = 600.0) -> TeacherPin:
+def pin_teacher(run: Run, *, owner: str = "", wait_s: float = 600.0) -> TeacherPin:
     """The run's teacher, copied under the run and pinned the first time (module doc).
 
-    Safe to call from every job at once: the copy is version 0 of the run's teacher server
-    (create-only, one writer epoch wins), and the pin is written from that copy's
-    manifest, so every caller pins the snapshot that was copied."""
+    Safe to call from every job at once: one job claims the copy (`owner` names it, e.g. a
+    worker id, so its restart resumes the claim), the others wait for it; the copy is
+    version 0 of the run's teacher server (create-only, one writer epoch wins), and the
+    pin is written from that copy's manifest, so every caller pins the snapshot copied."""
     from pipeline.paramserver import StaleEpochError
     from pipeline.paramserver.adapters import base_digest
 
@@ -140,21 +143,15 @@ def pin_teacher(run: Run, *, wait_s: float = 600.0) -> TeacherPin:
     if not server.versions():
         # First use, or a damaged copy deleted to be copied again (`check_copy`): a pinned
         # teacher is copied at its pinned version, never re-resolved, so it cannot move.
-        requested = cfg.teacher_version if pin is None else str(pin.version)
-        try:
-            _copy_teacher(run, server, requested)
-            # Killed here, the copy is committed and the pin is not: the next job pins it.
-            failpoints.hit("teacher.before_pin")
-        except StaleEpochError:
-            # Another job of the run copies it at this moment: wait for its version 0.
-            deadline = time.monotonic() + wait_s
-            while not server.versions():
-                if time.monotonic() > deadline:
-                    raise TeacherError(
-                        f"another job began copying the teacher to {run.url}/"
-                        f"{TEACHER_PREFIX} and has not finished within {wait_s:.0f} s"
-                    ) from None
-                time.sleep(1.0)
+        src = _source(run, cfg.teacher_version if pin is None else str(pin.version))
+        if _claim_copy(run, server, owner, wait_s):
+            try:
+                _copy_teacher(run, server, src)
+                # Killed here, the copy is committed and the pin is not: the next job pins.
+                failpoints.hit("teacher.before_pin")
+            except StaleEpochError:
+                # A job that took over a stale claim copies it now: wait for its version 0.
+                _wait_for_copy(run, server, wait_s)
     if pin is not None:
         return pin
     manifest = server.manifest(0)
@@ -172,12 +169,49 @@ def pin_teacher(run: Run, *, wait_s: float = 600.0) -> TeacherPin:
     return pin
 
 
-def _copy_teacher(run: Run, server: ParamServer, requested: str) -> None:
-    """Resolve version `requested` of the configured teacher, check its tokenizer and
-    publish it as `server`'s version 0 (its config next to it)."""
-    from pipeline.paramserver import ParamServer
-    from pipeline.paramserver.adapters import PolicyReader
-    from pipeline.run import Run, RunError, base_server
+def _claim_copy(run: Run, server: ParamServer, owner: str, wait_s: float) -> bool:
+    """Whether this job copies the teacher: the first to create the claim does, and the
+    others wait for its version 0 (so N workers starting together upload one copy, not N).
+    The claimant's restart (the same `owner`) resumes at once; a claim older than `wait_s`
+    whose copy never came (its job died for good) is taken over. The copy's writer epoch
+    fences any two that race."""
+    if not owner:  # an anonymous caller (a one-off, a test) copies without a claim
+        return True
+    claim = json.dumps({"at": time.time(), "owner": owner}).encode()
+    if run.store.write_new(COPY_CLAIM_KEY, claim):
+        return True
+    held = json.loads(run.store.read(COPY_CLAIM_KEY))
+    if owner and held.get("owner") == owner:
+        return True
+    return not _wait_for_copy(run, server, held["at"] + wait_s - time.time())
+
+
+def _wait_for_copy(run: Run, server: ParamServer, wait_s: float) -> bool:
+    """Wait up to `wait_s` for the teacher copy's version 0; whether it came."""
+    deadline = time.monotonic() + max(0.0, wait_s)
+    while not server.versions():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1.0)
+    return True
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The configured teacher, checked and resolved: its run, the snapshot's server, the
+    pinned version ("base" or a number) and the version on that server."""
+
+    run: Run
+    server: ParamServer
+    version: int | str
+    on_server: int
+    tokenizer: dict[str, Any]
+
+
+def _source(run: Run, requested: str) -> _Source:
+    """Open the configured teacher, check its tokenizer, resolve version `requested`
+    (cheap reads, before any job claims the copy: a refusal leaves no claim behind)."""
+    from pipeline.run import Run, RunError
 
     cfg = run.config.distill
     try:
@@ -190,20 +224,32 @@ def _copy_teacher(run: Run, server: ParamServer, requested: str) -> None:
             f"the teacher {cfg.teacher} encodes text with {theirs}, this run with {mine}; a "
             "teacher must share the student's tokenizer (it scores the student's token ids)"
         )
-    source, version, on_source = _resolve(teacher, requested)
-    if version == "base":
-        snap = source.pull(on_source)
+    server, version, on_server = _resolve(teacher, requested)
+    return _Source(teacher, server, version, on_server, theirs)
+
+
+def _copy_teacher(run: Run, server: ParamServer, src: _Source) -> None:
+    """Publish the teacher `src` as `server`'s version 0 (its config next to it)."""
+    from pipeline.paramserver import ParamServer
+    from pipeline.paramserver.adapters import PolicyReader
+    from pipeline.run import base_server
+
+    teacher = src.run
+    if src.version == "base":
+        snap = src.server.pull(src.on_server)
     else:  # the teacher as it samples: a LoRA teacher's adapters merged into its base
-        snap = PolicyReader(ParamServer(teacher.store), base_server(teacher)).pull(on_source)
+        reader = PolicyReader(ParamServer(teacher.store), base_server(teacher))
+        snap = reader.pull(src.on_server)
     run.store.write_new(TEACHER_CONFIG_KEY, teacher.store.read(CONFIG_KEY))  # kept on a re-copy
     # Killed here, the config is there without the weights: the next job copies both (the
     # config's create-only write then finds the same bytes).
     failpoints.hit("teacher.before_publish")
+    meta = {"source": "teacher", "run": teacher.url, "version": src.version}
     server.publish(
         0,
         dict(snap.tensors),
         epoch=server.acquire_epoch(),
-        metadata={"source": "teacher", "run": teacher.url, "version": version, "tokenizer": theirs},
+        metadata={**meta, "tokenizer": src.tokenizer},
     )
 
 

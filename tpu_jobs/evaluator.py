@@ -228,7 +228,7 @@ class Evaluator:
         record to `metrics/teacher-{stream}/00000000.json`, both create-only: done once
         per (n, ks, dataset), a retry skips it. Its `version` column and field is 0, the
         teacher's version on the run's teacher server; `teacher` says which snapshot it is."""
-        pin = pin_teacher(self.run)
+        pin = pin_teacher(self.run, owner="evaluator")
 
         def policy() -> Policy:
             # The teacher's own shape (its run's model section), loaded only to sample: a

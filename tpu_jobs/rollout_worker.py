@@ -152,7 +152,9 @@ class RolloutWorker:
         self.batches_done = 0
         self.last_stats: dict[str, Any] = {}  # dynamic-sampling / judge stats of the last batch
         # On-policy distillation: the pinned teacher scores every row before it is committed.
-        self.teacher = TeacherScorer(run, log=log) if self.cfg.distill.enabled else None
+        self.teacher = (
+            TeacherScorer(run, owner=worker_id, log=log) if self.cfg.distill.enabled else None
+        )
 
     def request_stop(self, *_: Any) -> None:
         self._stop = True

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ from pipeline.paramserver.adapters import base_digest
 from pipeline.run import Run, base_server, weights_server
 from pipeline.storage.urls import local_path
 from pipeline.teacher import (
+    COPY_CLAIM_KEY,
     PIN_KEY,
     TEACHER_PREFIX,
     TeacherError,
@@ -211,3 +214,59 @@ def test_the_student_config_needs_a_teacher_exactly_with_a_teacher_objective():
         tiny_config("distill.teacher=/x")
     mixed = tiny_config("trainer.distill_coef=0.5", "distill.teacher=/x")
     assert isinstance(mixed, RunConfig) and mixed.distill.enabled
+
+
+def _claim(student: Run, owner: str, age_s: float) -> None:
+    """A copy claim left by `owner` `age_s` seconds ago (a worker mid-copy, or one that died)."""
+    claim = {"at": time.time() - age_s, "owner": owner}
+    assert student.store.write_new(COPY_CLAIM_KEY, json.dumps(claim).encode())
+
+
+def _weight_objects(student: Run) -> list[str]:
+    return sorted(student.store.list(f"{TEACHER_PREFIX}/weights/"))
+
+
+def test_a_fleet_copies_the_teacher_once_and_the_claimants_restart_resumes(teacher, tmp_path):
+    """worker0 claimed the copy and died; worker1 waits for it instead of uploading a
+    second copy, and worker0's restart resumes its claim at once: one copy's objects."""
+    student = make_student(str(tmp_path / "student"), teacher.url)
+    _claim(student, "worker0", age_s=0.0)
+    pins = {}
+    waiter = threading.Thread(target=lambda: pins.update(w1=pin_teacher(student, owner="worker1")))
+    waiter.start()
+    time.sleep(1.5)
+    assert waiter.is_alive() and not teacher_server(student).versions()  # waiting, not copying
+    t0 = time.monotonic()
+    pins["w0"] = pin_teacher(student, owner="worker0")
+    assert time.monotonic() - t0 < 5.0  # the claimant's restart does not wait on itself
+    waiter.join(timeout=30)
+    assert pins["w0"] == pins["w1"] == read_pin(student)
+    straight = make_student(str(tmp_path / "straight"), teacher.url)
+    pin_teacher(straight)
+    # Object names carry epochs and attempt ids: count them, one copy's worth.
+    assert len(_weight_objects(student)) == len(_weight_objects(straight))
+    assert same(copied(student), copied(straight))
+
+
+def test_a_claim_whose_job_never_comes_back_is_taken_over(teacher, tmp_path):
+    """A claim older than wait_s (its worker gone for good) does not block the run."""
+    student = make_student(str(tmp_path / "student"), teacher.url)
+    _claim(student, "gone", age_s=1000.0)
+    t0 = time.monotonic()
+    pin = pin_teacher(student, owner="worker1", wait_s=600.0)
+    assert time.monotonic() - t0 < 5.0 and pin.version == 2
+    fresh = make_student(str(tmp_path / "fresh"), teacher.url)
+    _claim(fresh, "busy", age_s=0.0)
+    t0 = time.monotonic()
+    assert pin_teacher(fresh, owner="worker1", wait_s=1.0) == read_pin(fresh)
+    assert 1.0 <= time.monotonic() - t0 < 6.0  # waited its wait_s, then copied itself
+
+
+def test_a_refused_teacher_leaves_no_claim(tmp_path):
+    """The teacher is checked before a job claims the copy: fixing the config and retrying
+    does not wait on a claim from the refused attempt."""
+    teacher = make_teacher(str(tmp_path / "teacher"), versions=())
+    student = make_student(str(tmp_path / "student"), teacher.url)
+    with pytest.raises(TeacherError, match="has published no version yet"):
+        pin_teacher(student, owner="worker0")
+    assert not student.store.exists(COPY_CLAIM_KEY)

@@ -37,8 +37,8 @@ from tpu_jobs.model.transformer import init_model, load_flat_params, sequence_lo
 class TeacherScorer:
     """The run's pinned teacher, loaded once; `score` gives its log-probs of rows."""
 
-    def __init__(self, run: Run, *, log=print) -> None:
-        self.pin: TeacherPin = pin_teacher(run)
+    def __init__(self, run: Run, *, owner: str = "", log=print) -> None:
+        self.pin: TeacherPin = pin_teacher(run, owner=owner)
         tensors = check_copy(run, self.pin)
         self.model_cfg = teacher_config(run).model
         model = init_model(self.model_cfg, 0)
