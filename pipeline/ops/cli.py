@@ -452,15 +452,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line parsed: `args.command`, its options, and `args.job_args`, the
+    options a role command hands to its job. Exits 2 on an unknown argument."""
     parser = build_parser()
     # Role commands hand the options they do not know (--version, --data, ...) to the job.
     args, rest = parser.parse_known_args(argv)
     if args.command == "stack":  # its own parser takes all of it
         args.stack_args, rest = [*args.stack_args, *rest], []
+    if args.command not in launcher.JOBS and hasattr(args, "overrides"):
+        # argparse matches a command's positionals in one go, so after `rlax import-hf PATH
+        # --run URL k=v` the overrides behind the option are left over: they are overrides.
+        args.overrides = [*args.overrides, *(a for a in rest if not a.startswith("-"))]
+        rest = [a for a in rest if a.startswith("-")]
     if rest and args.command not in launcher.JOBS:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.job_args = rest
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     # SIGTERM and SIGHUP stop a command as Ctrl-C does: its cleanup runs (`rlax airflow`
     # stops all of Airflow). Role commands forward them to the job instead (run_supervised).
     for sig in (signal.SIGTERM, signal.SIGHUP):

@@ -137,3 +137,28 @@ def test_refused_in_one_line_a_bad_run_url_from_the_command(tmp_path):
         "rlax: bad storage URL: storage url 'gs://b/../x': prefix segment '..' is not "
         "allowed; allowed: gs://bucket/a/b with non-empty segments other than '.' and '..'"
     ]
+
+
+def test_overrides_after_an_option_reach_the_command():
+    """`rlax import-hf PATH --run URL k=v` (the README's form): argparse left the overrides
+    behind --run unmatched and rlax refused them as unrecognized arguments."""
+    from pipeline.ops.cli import parse_args
+
+    args = parse_args(
+        ["import-hf", "ckpt", "--run", "r", "trainer.lr=1e-5", "--config", "c.yaml", "seed=3"]
+    )
+    assert (args.path, args.run, args.config) == ("ckpt", "r", "c.yaml")
+    assert args.overrides == ["trainer.lr=1e-5", "seed=3"] and args.job_args == []
+    args = parse_args(["demo", "seed=1", "--run", "r", "workers=2"])
+    assert args.overrides == ["seed=1", "workers=2"]
+    args = parse_args(["rollout", "--run", "r", "--worker-id", "w"])  # a role: to its job
+    assert args.job_args == ["--worker-id", "w"]
+
+
+def test_an_unknown_option_is_still_refused(capsys):
+    from pipeline.ops.cli import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["import-hf", "ckpt", "--run", "r", "seed=3", "--bogus"])
+    assert exit_.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
