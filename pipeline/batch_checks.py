@@ -178,21 +178,7 @@ def _check_tokens(table: pa.Table, lim: BatchLimits) -> None:
         if name == "prompt_ids" and (lengths < 1).any():
             raise BadBatchError(f"row {_first(lengths < 1)}: prompt_ids is empty")
     completion_len = lengths_of["completion_ids"]
-    logp, logp_rows, logp_len = _lists(table, "behaviour_logprobs")
-    wrong = logp_len != completion_len
-    if wrong.any():
-        row = _first(wrong)
-        raise BadBatchError(
-            f"row {row}: behaviour_logprobs has {logp_len[row]} entries for "
-            f"{completion_len[row]} completion tokens; they must match"
-        )
-    wrong = ~np.isfinite(logp) | (logp > MAX_LOGPROB)
-    if wrong.any():
-        at = _first(wrong)
-        raise BadBatchError(
-            f"row {logp_rows[at]}: behaviour_logprobs holds {logp[at]}; a log-probability is "
-            "finite and <= 0"
-        )
+    _logprobs(table, "behaviour_logprobs", completion_len)
     if "loss_mask" in table.column_names:
         mask, mask_rows, mask_len = _lists(table, "loss_mask")
         wrong = (mask_len >= 0) & (mask_len != completion_len)
@@ -208,6 +194,28 @@ def _check_tokens(table: pa.Table, lim: BatchLimits) -> None:
     if "routing" in table.column_names:
         _check_routing(table, lim, lengths_of["prompt_ids"] + completion_len)
     _check_teacher(table, lim, completion_len)
+
+
+def _logprobs(
+    table: pa.Table, name: str, completion_len: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(values, row of each value) of log-prob column `name`, checked: one entry per
+    completion token, each finite and <= 0 (up to a low-precision sampler's rounding)."""
+    values, rows, lengths = _lists(table, name)
+    wrong = lengths != completion_len
+    if wrong.any():
+        row = _first(wrong)
+        raise BadBatchError(
+            f"row {row}: {name} has {lengths[row]} entries for {completion_len[row]} "
+            "completion tokens; they must match"
+        )
+    wrong = ~np.isfinite(values) | (values > MAX_LOGPROB)
+    if wrong.any():
+        at = _first(wrong)
+        raise BadBatchError(
+            f"row {rows[at]}: {name} holds {values[at]}; a log-probability is finite and <= 0"
+        )
+    return values, rows
 
 
 def _check_teacher(table: pa.Table, lim: BatchLimits, completion_len: np.ndarray) -> None:
@@ -226,21 +234,7 @@ def _check_teacher(table: pa.Table, lim: BatchLimits, completion_len: np.ndarray
     got = table.schema.field("teacher_logprobs").type
     if got != TEACHER_TYPE:
         raise BadBatchError(f"column teacher_logprobs is {got}; expected {TEACHER_TYPE}")
-    values, rows, lengths = _lists(table, "teacher_logprobs")
-    wrong = lengths != completion_len
-    if wrong.any():
-        row = _first(wrong)
-        raise BadBatchError(
-            f"row {row}: teacher_logprobs has {lengths[row]} entries for "
-            f"{completion_len[row]} completion tokens; they must match"
-        )
-    wrong = ~np.isfinite(values) | (values > MAX_LOGPROB)
-    if wrong.any():
-        at = _first(wrong)
-        raise BadBatchError(
-            f"row {rows[at]}: teacher_logprobs holds {values[at]}; a log-probability is "
-            "finite and <= 0"
-        )
+    values, rows = _logprobs(table, "teacher_logprobs", completion_len)
     if "loss_mask" in table.column_names:
         arr = table.column("loss_mask").combine_chunks()
         # A null row's mask is all ones; the stored rows line up with the teacher's values.
