@@ -205,9 +205,10 @@ def _logprobs(
     wrong = lengths != completion_len
     if wrong.any():
         row = _first(wrong)
+        has = "is null" if lengths[row] < 0 else f"has {lengths[row]} entries"
         raise BadBatchError(
-            f"row {row}: {name} has {lengths[row]} entries for {completion_len[row]} "
-            "completion tokens; they must match"
+            f"row {row}: {name} {has} for {completion_len[row]} completion tokens; one "
+            "entry per token is required"
         )
     wrong = ~np.isfinite(values) | (values > MAX_LOGPROB)
     if wrong.any():

@@ -325,7 +325,7 @@ def _with_teacher(values, batch=None, type_=None) -> bytes:
 TEACHER_BAD = {
     "wrong length": (
         [[-0.25, -1.5], [-3.0, -0.5], [-0.75], [-0.0625, -2.0, -1.0, -0.25]],
-        "row 0: teacher_logprobs has 2 entries for 3 completion tokens; they must match",
+        "row 0: teacher_logprobs has 2 entries for 3 completion tokens; one entry per token",
     ),
     "a row too long": (
         [[-0.25, -1.5, -0.125], [-3.0, -0.5], [-0.75, -0.5], [-0.0625, -2.0, -1.0, -0.25]],
@@ -333,7 +333,7 @@ TEACHER_BAD = {
     ),
     "a null row": (
         [[-0.25, -1.5, -0.125], [-3.0, -0.5], None, [-0.0625, -2.0, -1.0, -0.25]],
-        "row 2: teacher_logprobs has",
+        "row 2: teacher_logprobs is null for 1 completion tokens",
     ),
     "nan": (
         [[-0.25, -1.5, -0.125], [float("nan"), -0.5], [-0.75], [-0.0625, -2.0, -1.0, -0.25]],
