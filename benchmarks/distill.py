@@ -50,10 +50,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from demo_seeds import _ci, cpu_name, write_results  # noqa: E402
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.paramserver import ParamServer, Snapshot  # noqa: E402
-from pipeline.paramserver.adapters import PolicyReader, base_digest  # noqa: E402
+from pipeline.paramserver import Snapshot  # noqa: E402
+from pipeline.paramserver.adapters import base_digest  # noqa: E402
 from pipeline.problem_sets import write_data  # noqa: E402
-from pipeline.run import Run, base_server, weights_server  # noqa: E402
+from pipeline.run import Run, base_server, policy_reader, weights_server  # noqa: E402
 from pipeline.schedule import batch_problem_indices  # noqa: E402
 
 TARGET_SHARE = 0.90  # of the teacher's pass@1
@@ -144,8 +144,7 @@ def sft_on_teacher(
     tok = run_tokenizer(run)
     problems = run.read_problems("train")
     teacher_run = Run.open(teacher["run"])
-    reader = PolicyReader(ParamServer(teacher_run.store), base_server(teacher_run))
-    snap = Snapshot.of(0, dict(reader.pull(teacher["version"]).tensors))
+    snap = Snapshot.of(0, dict(policy_reader(teacher_run).pull(teacher["version"]).tensors))
     # The teacher samples with its own shape, on the student run's prompts and settings.
     policy = load_policy(run, "rollout", snapshot=snap, model=teacher_run.config.model)
     t_model, sampler = policy.model, policy.sampler

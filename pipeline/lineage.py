@@ -107,17 +107,14 @@ def pin_base(store, choice: Mapping[str, Any], ds: str) -> dict[str, Any]:
 
 def seed_base(child, pinned: Mapping[str, Any]) -> bool:
     """Copy the pinned snapshot to the child's base/ as version 0 (once)."""
-    from pipeline.paramserver import ParamServer
-    from pipeline.paramserver.adapters import PolicyReader
-    from pipeline.run import Run, base_server
+    from pipeline.run import Run, base_server, policy_reader
 
     base = base_server(child)
     if 0 in base.versions():
         return False
     # The parent's policy as it samples: a LoRA parent's adapters merged into its base.
     parent = Run.open(pinned["run"])
-    reader = PolicyReader(ParamServer(parent.store), base_server(parent))
-    snap = reader.pull(int(pinned["version"]))
+    snap = policy_reader(parent).pull(int(pinned["version"]))
     return base.publish(
         0,
         dict(snap.tensors),

@@ -43,6 +43,7 @@ from pipeline.tasks.base import Problem
 
 if TYPE_CHECKING:
     from pipeline.paramserver import ParamServer
+    from pipeline.paramserver.adapters import PolicyReader
 
 
 def base_server(run: Run) -> ParamServer:
@@ -74,6 +75,14 @@ def weights_server(run: Run) -> ParamServer:
         max_workers=ps.pull_concurrency,
         range_bytes=ps.range_mib << 20,
     )
+
+
+def policy_reader(run: Run) -> PolicyReader:
+    """The run's policy as it samples, version by version: its weights, a LoRA run's
+    adapters merged into its base (`pipeline.paramserver.adapters.PolicyReader`)."""
+    from pipeline.paramserver.adapters import PolicyReader
+
+    return PolicyReader(weights_server(run), base_server(run))
 
 
 def orm_server(run: Run) -> ParamServer:

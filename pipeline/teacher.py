@@ -230,16 +230,13 @@ def _source(run: Run, requested: str) -> _Source:
 
 def _copy_teacher(run: Run, server: ParamServer, src: _Source) -> None:
     """Publish the teacher `src` as `server`'s version 0 (its config next to it)."""
-    from pipeline.paramserver import ParamServer
-    from pipeline.paramserver.adapters import PolicyReader
-    from pipeline.run import base_server
+    from pipeline.run import policy_reader
 
     teacher = src.run
     if src.version == "base":
         snap = src.server.pull(src.on_server)
     else:  # the teacher as it samples: a LoRA teacher's adapters merged into its base
-        reader = PolicyReader(ParamServer(teacher.store), base_server(teacher))
-        snap = reader.pull(src.on_server)
+        snap = policy_reader(teacher).pull(src.on_server)
     run.store.write_new(TEACHER_CONFIG_KEY, teacher.store.read(CONFIG_KEY))  # kept on a re-copy
     # Killed here, the config is there without the weights: the next job copies both (the
     # config's create-only write then finds the same bytes).

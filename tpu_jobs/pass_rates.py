@@ -28,9 +28,8 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.paramserver import ParamServer
-from pipeline.paramserver.adapters import PolicyReader
 from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
-from pipeline.run import Run, base_server
+from pipeline.run import Run, policy_reader
 from pipeline.storage import glob, local_path, open_parent
 from pipeline.tasks import TASKS
 from pipeline.tasks.base import Problem
@@ -98,8 +97,8 @@ def pass_rates(
 ) -> pa.Table:
     """Sample k completions per problem with one weight version and score them."""
     cfg = run.config
-    # A LoRA run's version is adapters: merged into the run's base (PolicyReader).
-    snapshot = PolicyReader(ParamServer(run.store), base_server(run)).pull(version)
+    # A LoRA run's version is adapters: merged into the run's base (policy_reader).
+    snapshot = policy_reader(run).pull(version)
     policy = load_policy(run, "pass_rates", snapshot=snapshot)
     params = sampling_params(cfg, "pass_rates")
     if temperature is not None:  # --temperature: the one setting this job may override
