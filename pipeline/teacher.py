@@ -181,7 +181,7 @@ def _claim_copy(run: Run, server: ParamServer, owner: str, wait_s: float) -> boo
     if run.store.write_new(COPY_CLAIM_KEY, claim):
         return True
     held = json.loads(run.store.read(COPY_CLAIM_KEY))
-    if owner and held.get("owner") == owner:
+    if held.get("owner") == owner:
         return True
     return not _wait_for_copy(run, server, held["at"] + wait_s - time.time())
 

@@ -356,9 +356,7 @@ class RolloutWorker:
         teacher_logprobs = None
         if self.teacher is not None:
             t0 = time.perf_counter()
-            teacher_logprobs = self.teacher.score(
-                cols["pr"], cols["co"], masks if n_judge or episodes else None
-            )
+            teacher_logprobs = self.teacher.score(cols["pr"], cols["co"], masks)
             self.last_stats["teacher_s"] = time.perf_counter() - t0
         return RolloutBatch(
             batch_index=index,

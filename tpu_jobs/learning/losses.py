@@ -979,15 +979,12 @@ def compute_advantages(
     )
     if not spec.needs_teacher:
         return res
+    distill = distill_advantages(logp_old, logp_teacher, mask)
     metrics = dict(res.metrics)
-    metrics["reverse_kl"] = masked_mean(
-        _clean(logp_old, mask) - _clean(logp_teacher, mask), _fmask(mask)
-    )
+    metrics["reverse_kl"] = -masked_mean(distill, mask)  # the advantage is minus its terms
     advantages = res.advantages
     if spec.distill_coef > 0:
-        advantages = _to_tokens(advantages, mask) + spec.distill_coef * distill_advantages(
-            logp_old, logp_teacher, mask
-        )
+        advantages = _to_tokens(advantages, mask) + spec.distill_coef * distill
         # Every advantage statistic describes the mixed advantage the loss uses.
         metrics.update(_adv_metrics(advantages, mask, rewards))
     return AdvantageResult(advantages, res.returns, metrics)
