@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 ENV = "RLAX_FAILPOINTS"
 
@@ -23,11 +23,17 @@ POINTS = {
 }
 
 
+def _items(spec: str) -> Iterator[tuple[str, str, str]]:
+    """(item, name, index or "") of each comma-separated `name[@index]` of `spec`."""
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        point, _, at = item.partition("@")
+        yield item, point, at
+
+
 def check_spec(spec: str) -> None:
     """Raise ValueError unless `spec` is a valid RLAX_FAILPOINTS value: comma-separated
     `name` or `name@index` items, each name in POINTS."""
-    for item in filter(None, (i.strip() for i in spec.split(","))):
-        point, _, at = item.partition("@")
+    for item, point, at in _items(spec):
         if point not in POINTS or (at and not at.isdigit()):
             raise ValueError(
                 f"failpoint {item!r} is invalid; allowed: NAME or NAME@INDEX, NAME one of "
@@ -36,8 +42,7 @@ def check_spec(spec: str) -> None:
 
 
 def armed(name: str, index: int | None = None) -> bool:
-    for item in filter(None, os.environ.get(ENV, "").split(",")):
-        point, _, at = item.strip().partition("@")
+    for _, point, at in _items(os.environ.get(ENV, "")):
         if point == name and (not at or index is None or int(at) == index):
             return True
     return False
