@@ -33,7 +33,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.metrics import bootstrap_ci, pass_at_k_array  # noqa: E402
+from pipeline.metrics import bootstrap_ci  # noqa: E402
+from pipeline.metrics import per_problem_pass as problem_pass  # noqa: E402
 from pipeline.paramserver import ParamServer, SnapshotNotFoundError  # noqa: E402
 from pipeline.parquet_bytes import table_from_bytes  # noqa: E402
 from pipeline.run import Run  # noqa: E402
@@ -48,11 +49,10 @@ KS = (1, 8)
 
 
 def per_problem_pass(run: Run, version: int) -> dict[int, np.ndarray]:
-    """{k: per-problem unbiased pass@k} of `version` from its per-sample eval table."""
+    """{k: per-problem unbiased pass@k} of `version` from its per-sample eval table, in
+    problem order (`pipeline.metrics.per_problem_pass`)."""
     cols = table_from_bytes(run.store.read(eval_key(version))).to_pydict()
-    n = int(max(cols["sample_index"])) + 1
-    correct = (np.asarray(cols["reward"], np.float32) >= 1.0).reshape(-1, n)
-    return {k: pass_at_k_array(n, correct.sum(1), k) for k in KS}
+    return {k: np.asarray(list(problem_pass(cols, k).values())) for k in KS}
 
 
 def seed_row(run: Run, seed: int, wall_s: float, code: int) -> dict:

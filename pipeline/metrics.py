@@ -67,6 +67,21 @@ def pass_at_k_array(n: ArrayLike | int, c: ArrayLike, k: int) -> np.ndarray:
     return np.where(n - c < k, 1.0, 1.0 - prod)
 
 
+def per_problem_pass(columns: dict[str, Sequence], k: int) -> dict[str, float] | None:
+    """{problem_id: unbiased pass@k} from an evaluation's per-sample columns (`problem_id`,
+    `reward`; a sample is correct at reward >= 1, as the evaluator counts it), in the order
+    problems first appear; None when a problem has fewer than k samples."""
+    order = list(dict.fromkeys(columns["problem_id"]))
+    index = {pid: i for i, pid in enumerate(order)}
+    rows = np.asarray([index[pid] for pid in columns["problem_id"]])
+    correct = np.asarray(columns["reward"], np.float64) >= 1.0
+    n = np.bincount(rows, minlength=len(order))
+    c = np.bincount(rows, weights=correct, minlength=len(order)).astype(np.int64)
+    if n.min(initial=k) < k:
+        return None
+    return dict(zip(order, pass_at_k_array(n, c, k).tolist(), strict=True))
+
+
 def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int) -> bool:
     """Majority vote over the first k extracted answers.
 

@@ -719,25 +719,6 @@ def spread(items: Sequence[Any], count: int) -> list[Any]:
     return [items[i] for i in picks]
 
 
-def per_problem_pass(columns: dict[str, Sequence[Any]], k: int) -> dict[str, float] | None:
-    """{problem_id: pass@k} from an evaluation's per-sample columns (`problem_id`,
-    `reward`; a sample is correct at reward >= 1, as the evaluator counts it); None when
-    a problem has fewer than k samples."""
-    import numpy as np
-
-    from pipeline.metrics import pass_at_k_array
-
-    order = list(dict.fromkeys(columns["problem_id"]))
-    index = {pid: i for i, pid in enumerate(order)}
-    rows = np.asarray([index[pid] for pid in columns["problem_id"]])
-    correct = np.asarray(columns["reward"], np.float64) >= 1.0
-    n = np.bincount(rows, minlength=len(order))
-    c = np.bincount(rows, weights=correct, minlength=len(order)).astype(np.int64)
-    if n.min(initial=k) < k:
-        return None
-    return dict(zip(order, pass_at_k_array(n, c, k).tolist(), strict=True))
-
-
 def teacher_gap(
     student: dict[str, Sequence[Any]],
     teacher: dict[str, Sequence[Any]],
@@ -753,7 +734,7 @@ def teacher_gap(
     other problems, or a problem with fewer than k samples."""
     import numpy as np
 
-    from pipeline.metrics import bootstrap_ci
+    from pipeline.metrics import bootstrap_ci, per_problem_pass
 
     mine, theirs = per_problem_pass(student, k), per_problem_pass(teacher, k)
     if mine is None or theirs is None or set(mine) != set(theirs):

@@ -11,8 +11,9 @@ import pyarrow as pa
 import pytest
 
 from pipeline.layout import TEACHER_EVAL, eval_key, teacher_stream
+from pipeline.metrics import per_problem_pass
 from pipeline.parquet_bytes import table_to_bytes
-from pipeline.report import REPORT_KEY, build_report, per_problem_pass, spread, teacher_gap
+from pipeline.report import REPORT_KEY, build_report, spread, teacher_gap
 from pipeline.run import Run
 from pipeline.teacher import PIN_KEY
 from tests.runs import tiny_config
