@@ -7,9 +7,9 @@
 * `rlax_rl_training` runs through it, triggered and followed with the official
   `apache-airflow-client`, on a gs:// run URL; the trainer's task runs on Celery worker 1,
   the rollout workers' on worker 2 (their queues; their processes descend from them).
-* Deployment-level preemption: Celery worker 1 is SIGKILLed, with everything it started,
-  while the trainer runs past its first checkpoint; then PostgreSQL is restarted; then
-  Celery worker 2 is SIGKILLed while a rollout worker holds a lease. The killed workers are
+* Deployment-level preemption: Celery worker 2 is SIGKILLed, with everything it started,
+  while a rollout worker holds a lease; then PostgreSQL is restarted; then Celery worker 1
+  is SIGKILLed while the trainer runs past its first checkpoint. The killed workers are
   restarted (`rlax stack up`), Airflow's heartbeat timeout fails the lost tries and its
   retries run them again; the run succeeds with final parameters bit-identical to an
   uninterrupted run of the same config, 0 batches lost and 0 produced twice.
@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import tempfile
 import time
@@ -140,13 +141,17 @@ def _heartbeat_after(health: dict, when: datetime) -> bool:
     return beat > when
 
 
-def _live_lease_soon(run: Run, within_s: float = 5.0) -> list:
-    """Live batch leases, polled closely for a while (a batch takes a few seconds)."""
+def _soon(probe, within_s: float = 5.0):
+    """`probe()`'s first truthy value, polled closely for a while (a batch or a trainer
+    step takes about a second, less than the main loop's round of API calls)."""
     deadline = time.monotonic() + within_s
-    leases = BatchLeases(run.store, ttl_seconds=LEASE_SECONDS)
-    while not (live := leases.live_leases()) and time.monotonic() < deadline:
+    while not (found := probe()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return live
+    return found
+
+
+def _live_lease_soon(run: Run) -> list:
+    return _soon(BatchLeases(run.store, ttl_seconds=LEASE_SECONDS).live_leases)
 
 
 def _tries(history: list) -> list[tuple[int, str, str]]:
@@ -205,24 +210,12 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
             assert train.hostname.startswith("worker1@"), train.hostname
             assert all(t.hostname.startswith("worker2@") for t in rollouts)
             routed = at("routing: train on worker1 (queue trainer), rollouts on worker2")
-        if routed and trainer_killed is None:
-            assert not done, f"trainer done before it could be killed: raise STEPS; {at.events}"
-            if run.store.list(f"{CHECKPOINT_MANIFESTS}/"):
-                steps = len(run.store.list("metrics/train/"))
-                killed = stack_mod.Stack.load(stack.root).preempt("airflow-worker-1")
-                trainer_killed = at(
-                    f"SIGKILL Celery worker 1 ({len(killed)} processes) at trainer step {steps}"
-                )
-                stack_mod.up(stack.root, log=lambda _: None)  # the node comes back
-                at("Celery worker 1 restarted")
-        retried = bool(trainer_killed) and train.try_number >= 2 and train.state == "running"
-        if retried and trainer_back is None and _under(stack, "airflow-worker-1", train.pid):
-            trainer_back = at(f"train try {train.try_number} running on {train.hostname}")
-        # The rollout kill comes right after the trainer is back (a lease is live nearly
-        # all the time), and the database restart after it: on an idle machine the
-        # retried trainer finished its steps within the ~10 s of the restart, before a
-        # rollout kill that waited for it could land.
-        if trainer_back and rollout_killed is None:
+        # The rollout kill comes first, at the run's start: a worker's first lease is live
+        # for as long as its sampler compiles (seconds on any machine), and the trainer
+        # cannot move without batches, so it cannot finish before the kills that follow.
+        # (Killed last, the rollout workers could have nothing left to lease: on a fast
+        # machine the retried trainer ran its last 8 steps within one 5 s lease poll.)
+        if routed and rollout_killed is None:
             assert not done, f"trainer done before a rollout kill: raise STEPS; {at.events}"
             leases = _live_lease_soon(run)
             if leases:
@@ -246,6 +239,32 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
             db_restarted = at(
                 f"PostgreSQL restarted in {down_s:.1f}s; the scheduler heartbeats again "
                 f"{time.monotonic() - t:.1f}s after the restart began"
+            )
+        if db_restarted and trainer_killed is None:
+            assert not done, f"trainer done before it could be killed: raise STEPS; {at.events}"
+            # Killed at its first checkpoint, the trainer has most of its steps left.
+            checkpoint = train.state == "running" and _soon(
+                functools.partial(run.store.list, f"{CHECKPOINT_MANIFESTS}/")
+            )
+            if checkpoint:
+                steps = len(run.store.list("metrics/train/"))
+                killed = stack_mod.Stack.load(stack.root).preempt("airflow-worker-1")
+                trainer_killed = at(
+                    f"SIGKILL Celery worker 1 ({len(killed)} processes) at trainer step {steps}"
+                )
+                stack_mod.up(stack.root, log=lambda _: None)  # the node comes back
+                at("Celery worker 1 restarted")
+        # A retried trainer seen running under the restarted worker, or already finished
+        # there (its last steps can take less than one poll).
+        retried = bool(trainer_killed) and train.try_number >= 2
+        back = retried and (
+            (train.state == "running" and _under(stack, "airflow-worker-1", train.pid))
+            or train.state == "success"
+        )
+        if back and trainer_back is None:
+            trainer_back = at(
+                f"train try {train.try_number} {getattr(train.state, 'value', train.state)} "
+                f"on {train.hostname}"
             )
         if rollout_killed and rollout_back is None:
             back = [t for t in rollouts if t.try_number >= 2 and t.state in ("running", "success")]
