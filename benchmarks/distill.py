@@ -6,7 +6,7 @@
 
 The teacher is the demo's run (`rlax demo`, configs/demo.yaml, seed 0) at its final
 version; it is made first when `--teacher` does not exist yet. The student is
-configs/demo_distill.yaml's model (half the demo's parameters), SFT'd on the noisy
+configs/demo_distill.yaml's model (0.44M parameters, 3/4 of the demo's), SFT'd on the noisy
 synthetic teacher exactly as the demo's base is. From that same base, per seed:
 
 - **opd**: on-policy distillation, `rlax demo --config CONFIG seed=S` (the `opd` preset:
