@@ -94,6 +94,16 @@ def tokenizer_identity(run: Run) -> dict[str, Any]:
     return out
 
 
+def _describe(run: Run, identity: dict[str, Any]) -> str:
+    """`identity` (tokenizer_identity of `run`) as a person would check it: the setting
+    and, for an imported tokenizer, the file and its sha256."""
+    text = f"model.tokenizer={identity['name']}"
+    if "sha256" in identity:
+        key = f"{BASE_PREFIX}/{HF_PREFIX}/tokenizer.json"
+        text += f" ({run.url.rstrip('/')}/{key}, sha256 {identity['sha256']})"
+    return text
+
+
 def _resolve(teacher: Run, version: str) -> tuple[ParamServer, int | str, int]:
     """(server, pinned version, version on that server) of `version` in `teacher`."""
     from pipeline.run import base_server, weights_server
@@ -221,8 +231,9 @@ def _source(run: Run, requested: str) -> _Source:
     mine, theirs = tokenizer_identity(run), tokenizer_identity(teacher)
     if mine != theirs:
         raise TeacherError(
-            f"the teacher {cfg.teacher} encodes text with {theirs}, this run with {mine}; a "
-            "teacher must share the student's tokenizer (it scores the student's token ids)"
+            f"the teacher {cfg.teacher} encodes text with {_describe(teacher, theirs)}, "
+            f"this run with {_describe(run, mine)}; a teacher must share the student's "
+            "tokenizer (it scores the student's token ids)"
         )
     server, version, on_server = _resolve(teacher, requested)
     return _Source(teacher, server, version, on_server, theirs)

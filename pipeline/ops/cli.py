@@ -11,7 +11,8 @@
     rlax pass-rates --run URL --data GLOB --k 8 [--version V]  (for beam_jobs.curate)
     rlax report --run URL
     rlax tensorboard --run URL [--logdir DIR] [--follow]   metrics -> TensorBoard event files
-    rlax import-hf PATH --run URL [--adapter DIR]          HF checkpoint (+ tokenizer) -> base
+    rlax import-hf PATH --run URL [--adapter DIR] [key=value ...]
+                                                           HF checkpoint (+ tokenizer) -> base
     rlax airflow [--port N]                                 serve a local Airflow (UI)
     rlax chaos  [--config FILE] [--kills 20] [--out FILE]   kill -9 at random, compare
     rlax stack  up|status|down|restart NAME|preempt NAME  the production shape on 127.0.0.1

@@ -135,8 +135,8 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
     student = make_student(str(tmp_path / "student"), byte.url)
     with pytest.raises(
         TeacherError,
-        match=r"encodes text with \{'name': 'byte'\}, this run with \{'name': 'char'\}; a "
-        "teacher must share the student's tokenizer",
+        match=r"encodes text with model.tokenizer=byte, this run with model.tokenizer=char; "
+        "a teacher must share the student's tokenizer",
     ):
         pin_teacher(student)
     assert not student.store.exists(PIN_KEY)

@@ -198,5 +198,6 @@ def test_a_teacher_with_another_tokenizer_json_is_refused(imported):
     message = str(err.value)
     assert "\n" not in message
     assert other_url in message and mine in message and theirs in message, message
+    assert f"{other_url}/base/hf/tokenizer.json, sha256 {theirs}" in message, message
     # Refused before anything was copied or claimed.
     assert not student.store.list(TEACHER_PREFIX + "/")
