@@ -257,11 +257,11 @@ def test_rl_run_through_celery_survives_preemption_and_db_restart(stack):
         # A retried trainer seen running under the restarted worker, or already finished
         # there (its last steps can take less than one poll).
         retried = bool(trainer_killed) and train.try_number >= 2
-        back = retried and (
+        is_back = retried and (
             (train.state == "running" and _under(stack, "airflow-worker-1", train.pid))
             or train.state == "success"
         )
-        if back and trainer_back is None:
+        if is_back and trainer_back is None:
             trainer_back = at(
                 f"train try {train.try_number} {getattr(train.state, 'value', train.state)} "
                 f"on {train.hostname}"
