@@ -45,6 +45,8 @@ PIN_KEY = f"{TEACHER_PREFIX}/pin.json"
 TEACHER_CONFIG_KEY = f"{TEACHER_PREFIX}/{CONFIG_KEY}"
 # Create-only: the job that copies the teacher (`_claim_copy`); the others wait for it.
 COPY_CLAIM_KEY = f"{TEACHER_PREFIX}/copying.json"
+# An imported (hf) tokenizer, as `rlax import-hf` stores it with the run's base.
+HF_TOKENIZER_KEY = f"{BASE_PREFIX}/{HF_PREFIX}/tokenizer.json"
 
 
 class TeacherError(ConfigError):
@@ -87,10 +89,9 @@ def tokenizer_identity(run: Run) -> dict[str, Any]:
     name = run.config.model.tokenizer
     out: dict[str, Any] = {"name": name}
     if name == "hf":
-        key = f"{BASE_PREFIX}/{HF_PREFIX}/tokenizer.json"
-        if not run.store.exists(key):
-            raise TeacherError(f"{run.url} has model.tokenizer=hf but no {key}")
-        out["sha256"] = hashlib.sha256(run.store.read(key)).hexdigest()
+        if not run.store.exists(HF_TOKENIZER_KEY):
+            raise TeacherError(f"{run.url} has model.tokenizer=hf but no {HF_TOKENIZER_KEY}")
+        out["sha256"] = hashlib.sha256(run.store.read(HF_TOKENIZER_KEY)).hexdigest()
     return out
 
 
@@ -99,8 +100,7 @@ def _describe(run: Run, identity: dict[str, Any]) -> str:
     and, for an imported tokenizer, the file and its sha256."""
     text = f"model.tokenizer={identity['name']}"
     if "sha256" in identity:
-        key = f"{BASE_PREFIX}/{HF_PREFIX}/tokenizer.json"
-        text += f" ({run.url.rstrip('/')}/{key}, sha256 {identity['sha256']})"
+        text += f" ({run.url.rstrip('/')}/{HF_TOKENIZER_KEY}, sha256 {identity['sha256']})"
     return text
 
 
