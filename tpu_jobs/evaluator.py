@@ -69,7 +69,7 @@ from pipeline.metrics import (
 from pipeline.paramserver import ParamServer, Snapshot
 from pipeline.paramserver.adapters import PolicyReader
 from pipeline.parquet_bytes import table_from_bytes, table_to_bytes
-from pipeline.run import DONE_KEY, Run, base_server, weights_server
+from pipeline.run import DONE_KEY, Run, base_server, policy_reader
 from pipeline.tasks import get_task
 from pipeline.tasks.datasets import DATASETS, load_dataset
 from pipeline.teacher import check_copy, pin_teacher, teacher_config
@@ -173,9 +173,9 @@ class Evaluator:
         self.run = run
         self.cfg = run.config
         self.log = log
-        self.ps = weights_server(run)
         # A LoRA run's versions are adapters, merged into its base once per version.
-        self.reader = PolicyReader(self.ps, base_server(run))
+        self.reader = policy_reader(run)
+        self.ps = self.reader.ps
         self.policy = load_policy(run, "eval", mesh=mesh)
         self.tok, self.model, self.sampler = self.policy.tok, self.policy.model, self.policy.sampler
         self.mesh = self.policy.mesh

@@ -57,10 +57,9 @@ from pipeline.environments import make_environment
 from pipeline.leases import BatchLeases
 from pipeline.metrics import tool_use_stats
 from pipeline.paramserver import CorruptSnapshotError, SnapshotNotFoundError
-from pipeline.paramserver.adapters import PolicyReader
 from pipeline.problem_sets import check_representable
 from pipeline.rollouts import RolloutBatch, required_version, routing_dtype, to_parquet_bytes
-from pipeline.run import DONE_KEY, Run, base_server, weights_server
+from pipeline.run import DONE_KEY, Run, policy_reader
 from pipeline.schedule import batch_problem_indices
 from pipeline.tasks.judge import judge_context, judge_reward
 from tpu_jobs.generate.episodes import sample_rows
@@ -133,7 +132,10 @@ class RolloutWorker:
         self.cfg = run.config
         self.worker_id = worker_id
         self.log = log
-        self.ps = weights_server(run)
+        # Pulls each version (rebuilt from the one held with the deltas in between; a LoRA
+        # run's adapters merged into the base, pipeline.paramserver.adapters).
+        self.reader = policy_reader(run)
+        self.ps = self.reader.ps
         self.leases = BatchLeases(run.store, ttl_seconds=self.cfg.rollout.lease_seconds)
         self.policy = load_policy(run, "rollout", mesh=mesh)
         self.tok, self.model, self.sampler = self.policy.tok, self.policy.model, self.policy.sampler
@@ -143,9 +145,6 @@ class RolloutWorker:
         check_representable(self.problems, self.tok, run.config.model.tokenizer, "train set")
         self.env = make_environment(self.cfg.environment)
         self.version: int | None = None
-        # Pulls each version (rebuilt from the one held with the deltas in between; a LoRA
-        # run's adapters merged into the base, pipeline.paramserver.adapters).
-        self.reader = PolicyReader(self.ps, base_server(run))
         self._stop = False
         self._refused: int | None = None  # the version last refused, and how often in a row
         self._refusals = 0
