@@ -187,6 +187,8 @@ def test_request_longer_than_the_budget_is_refused(model, keys):
         engine(attention="flash")
     with pytest.raises(ValueError, match="uint32 key data of shape"):
         eng.run(model, [Request([1, 2], np.zeros(2, np.int64), 4)])
+    with pytest.raises(ValueError, match=r"prompt 0 has 2 tokens \+ max_new_tokens=255 > model"):
+        eng.generate(model, [[1, 2]], keys[:1], SamplingParams(max_new_tokens=255))
     assert jax.tree.leaves(eng.pages)  # the pool survives refused calls
 
 

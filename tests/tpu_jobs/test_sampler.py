@@ -303,6 +303,9 @@ def test_bfloat16_and_argument_errors(model, sampler):
     assert np.all(gaps <= 4 * errors.max()), (gaps, errors)  # 0 where the tokens agree
     with pytest.raises(ValueError, match="non-empty"):
         sampler.generate(model, [[1, 2], []], keys_for(2), SamplingParams(max_new_tokens=4))
+    # Past the context: refused by name, not left to build a program for 256+ positions.
+    with pytest.raises(ValueError, match=r"prompt 1 has 3 tokens \+ max_new_tokens=254 > model"):
+        sampler.generate(model, [[1, 2], [1, 2, 3]], keys_for(2), SamplingParams(254))
     with pytest.raises(ValueError, match="one key per prompt"):
         sampler.generate(model, PROMPTS, keys_for(2), SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match=r"uint32 key data of shape \[B, 2\]"):

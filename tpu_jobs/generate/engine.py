@@ -527,7 +527,7 @@ class Engine:
         params: SamplingParams,
     ) -> SampleResult:
         """The `tpu_jobs.generate.interface.Sampler` contract, through `run`."""
-        n = check_prompts(prompts)
+        n = check_prompts(prompts, params.max_new_tokens, self.cfg.max_seq_len)
         max_new_tokens = params.max_new_tokens
         data = np.asarray(jax.random.key_data(as_keys(keys, n)))
         done = self.run(

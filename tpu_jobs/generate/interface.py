@@ -102,11 +102,21 @@ class Sampler(Protocol):
     ) -> SampleResult: ...
 
 
-def check_prompts(prompts: Sequence[Sequence[int]]) -> int:
+def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_seq_len: int) -> int:
     """The number of prompts, refusing no prompts or an empty one (every sampler's contract:
-    a row starts from at least one token, BOS)."""
+    a row starts from at least one token, BOS), and a prompt whose new tokens would run past
+    the model's context: a clear refusal where the sampler would otherwise build a program
+    for positions the model was not configured for (a HumanEval prompt of 1,500 characters
+    on the demo's 256-token model asked XLA:CPU for 31 GB of prefill attention)."""
     if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if len(prompts[longest]) + max_new_tokens > max_seq_len:
+        raise ValueError(
+            f"prompt {longest} has {len(prompts[longest])} tokens + max_new_tokens="
+            f"{max_new_tokens} > model.max_seq_len={max_seq_len}; allowed: prompt + new "
+            "tokens <= model.max_seq_len (raise model.max_seq_len, or use shorter prompts)"
+        )
     return len(prompts)
 
 

@@ -365,7 +365,7 @@ class StaticSampler:
         params: SamplingParams,
     ) -> SampleResult:
         """Sample up to `params.max_new_tokens` tokens after each prompt (SampleResult)."""
-        n = check_prompts(prompts)
+        n = check_prompts(prompts, params.max_new_tokens, self.cfg.max_seq_len)
         max_new_tokens, temperature, dtype = params.max_new_tokens, params.temperature, params.dtype
         top_k, top_p = params.top_k, params.top_p
         typed_keys = as_keys(keys, n)

@@ -67,7 +67,7 @@ from flax import nnx
 from pipeline.config import ModelConfig
 from pipeline.lora import LoraConfig, merge, split_adapters
 from pipeline.net import free_port
-from tpu_jobs.generate.interface import SampleResult, SamplingParams
+from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
 from tpu_jobs.generate.kv_pages import page_bytes
 from tpu_jobs.generate.token_draw import key_data
 from tpu_jobs.generate.weight_copies import same_arrays
@@ -367,16 +367,8 @@ class VllmSampler:
             )
         if len(prompts) != len(keys):
             raise ValueError(f"{len(prompts)} prompts but {len(keys)} keys; allowed: one each")
-        too_long = [
-            i for i, p in enumerate(prompts) if len(p) + max_new_tokens > self.model_cfg.max_seq_len
-        ]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(
-                f"prompt {i} has {len(prompts[i])} tokens + max_new_tokens={max_new_tokens} "
-                f"> model.max_seq_len={self.model_cfg.max_seq_len} (vLLM's --max-model-len); "
-                "allowed: prompt + new tokens <= model.max_seq_len"
-            )
+        # model.max_seq_len is the server's --max-model-len.
+        check_prompts(prompts, max_new_tokens, self.model_cfg.max_seq_len)
         self.load_weights(model)
         seeds = [row_seed(k) for k in key_data(keys)]
         params = {
