@@ -11,6 +11,8 @@ from pipeline.tokenizer import get_tokenizer
 from tests.tpu_jobs.random_weights import random_model
 from tpu_jobs.model.batching import pack_rows
 from tpu_jobs.model.judge import (
+    SCORE_WIDTH,
+    judge_batches,
     judge_sequences,
     self_scores,
     suffix_ids,
@@ -103,6 +105,24 @@ def test_scores_do_not_depend_on_batch_companions(model):
     # A finished solution and the same solution without its EOS are judged identically.
     no_eos = [s[:-1] if s and s[-1] == TOK.eos_id else s for s in solutions]
     np.testing.assert_allclose(self_scores(model, TOK, prompts, no_eos), together, atol=1e-6)
+
+
+def test_wide_rows_come_fewer_to_a_batch():
+    """rows x (prompt + context width)^2 <= batch_size x SCORE_WIDTH^2, width in buckets of
+    16, 32, 64, 128, 256, 512, 1024, ...: the budget of 4 rows is 4 x 256^2 = 262,144."""
+    assert SCORE_WIDTH == 256
+    buckets = (16, 32, 64, 128, 256, 512)
+    short = ([1] * 100, [1] * 20)  # 128 + 32 = 160 wide: 4 x 160^2 fits
+    wide = ([1] * 1000, [1] * 20)  # 1024 + 32 = 1056: one row is over the budget alone
+    mid = ([1] * 300, [1] * 20)  # 512 + 32 = 544: 1 x 544^2 = 295,936 > 262,144 too
+    rows = [short] * 6 + [wide, wide] + [short] * 2 + [mid]
+    prompts, contexts = [r[0] for r in rows], [r[1] for r in rows]
+    got = judge_batches(prompts, contexts, 4, buckets)
+    assert got == [(0, 4), (4, 6), (6, 7), (7, 8), (8, 10), (10, 11)]
+    # Within the budget, batch_size rows as before (the demos' widths are <= 256).
+    assert judge_batches(prompts[:6], contexts[:6], 4, buckets) == [(0, 4), (4, 6)]
+    half = ([1] * 200, [1] * 20)  # 256 + 32 = 288: 3 x 288^2 = 248,832 fits, 4 do not
+    assert judge_batches([half[0]] * 4, [half[1]] * 4, 4, buckets) == [(0, 3), (3, 4)]
 
 
 def test_empty_input(model):

@@ -130,6 +130,38 @@ def _verdict_logprobs(graphdef, state, tokens, mask, last, yes_no):
     return logp[:, yes_no]  # [B, 2]
 
 
+# The judge's forward holds [rows, heads, width, width] attention scores (no fused
+# attention on XLA:CPU): a batch of `batch_size` rows is as wide as this at most, and wider
+# rows (a HumanEval prompt is up to 1,505 characters) come fewer to a batch, so that
+# rows x width^2 stays within batch_size x SCORE_WIDTH^2. At the demos' widths (<= 256)
+# every batch is the full batch_size, as before; 256 rows of 1,536 asked for 31 GB.
+SCORE_WIDTH = 256
+
+
+def judge_batches(
+    prompts: Sequence[Sequence[int]],
+    contexts: Sequence[Sequence[int]],
+    batch_size: int,
+    width_buckets: Sequence[int],
+) -> list[tuple[int, int]]:
+    """Consecutive (start, end) batches of the judged rows: at most `batch_size` rows, and
+    rows x (bucketed prompt + context width)^2 <= batch_size x SCORE_WIDTH^2 (one row at
+    least)."""
+    budget = batch_size * SCORE_WIDTH**2
+    out, start, n = [], 0, len(prompts)
+    while start < n:
+        end, pl, cl = start, 0, 0
+        while end < n and end - start < batch_size:
+            npl = max(pl, bucket(len(prompts[end]), width_buckets))
+            ncl = max(cl, bucket(len(contexts[end]), width_buckets))
+            if end > start and (end - start + 1) * (npl + ncl) ** 2 > budget:
+                break
+            end, pl, cl = end + 1, npl, ncl
+        out.append((start, end))
+        start = end
+    return out
+
+
 def verdict_logprobs(
     model: Transformer,
     tok: Tokenizer,
@@ -152,8 +184,8 @@ def verdict_logprobs(
     graphdef, state = nnx.split(model)
     yes_no = jnp.asarray(verdict_ids(tok), jnp.int32)
     batch_buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < batch_size) + (batch_size,)
-    for start in range(0, n, batch_size):
-        ps, cs = prompts[start : start + batch_size], contexts[start : start + batch_size]
+    for start, end in judge_batches(prompts, contexts, batch_size, width_buckets):
+        ps, cs = prompts[start:end], contexts[start:end]
         rows = len(ps)
         pl = bucket(max(len(p) for p in ps), width_buckets)
         cl = bucket(max(len(c) for c in cs), width_buckets)
