@@ -30,10 +30,16 @@ of at most as many operations that fits the examples agrees at the hidden inputs
 shorter one fits. Inputs are never negative, so programs that differ only below 0
 (max(x+3,1) and x+3) count as the same.
 
-Teacher mistake (systematic): each operation, with probability `error_prob`, is replaced
-by a plausible slip: its constant off by one, or a neighbouring operator (add<->sub,
-mul->add, div<->mod, max<->min, absdiff->sub), drawn among the slips that change f on the
-hidden inputs, so a slipped one-operation program always fails its tests.
+Teacher mistake: each operation, with probability `error_prob`, is replaced by a slip of
+the kind `slip` names (`SLIPS`), drawn among the slips that change f on the hidden inputs,
+so a slipped one-operation program always fails its tests:
+- `any` (the default): a plausible slip, its constant off by one either way or a
+  neighbouring operator (add<->sub, mul->add, div<->mod, max<->min, absdiff->sub);
+- `off_by_one`: programming's classic bug, and one systematic habit: the constant one
+  too large (one too small where that would leave the DSL's range). What the model copies
+  from this teacher is one decision, exact or +1, that RL can correct across every
+  problem at once (the arithmetic teacher's dropped carry plays the same part), where
+  `any` spreads the teacher's mass over three or four wrong programs per operation.
 """
 
 from __future__ import annotations
@@ -104,6 +110,7 @@ class CodeOptions:
     examples: int = 6  # shown: f(0), f(1), f(2) and examples - 3 other inputs
     tests: int = 6  # hidden test inputs
     error_prob: float = 0.3  # the teacher slips on each operation this often
+    slip: str = "any"  # which slips (SLIPS): any | off_by_one
 
     def __post_init__(self) -> None:
         check(1 <= self.max_ops <= 2, "task.code.max_ops", self.max_ops, "1 or 2")
@@ -119,6 +126,7 @@ class CodeOptions:
         )
         check(1 <= self.tests <= 10, "task.code.tests", self.tests, "1..10")
         check(0 <= self.error_prob < 1, "task.code.error_prob", self.error_prob, "[0, 1)")
+        check(self.slip in SLIPS, "task.code.slip", self.slip, " | ".join(SLIPS))
 
 
 # ------------------------------------------------------------------ programs
@@ -241,11 +249,28 @@ def sample(rng: np.random.Generator, options: CodeOptions) -> tuple[Program, lis
 # ------------------------------------------------------------------ the teacher
 
 
-def slips(program: Program, at: int, max_const: int) -> list[Program]:
-    """The plausible wrong versions of operation `at`: constant +-1, neighbour operators."""
-    name, c = program[at]
+def _any_slip(name: str, c: int, max_const: int) -> list[tuple[str, int]]:
+    """Constant +-1, neighbour operators."""
     candidates = [(name, c + d) for d in (-1, 1) if c + d in constants(name, max_const)]
-    candidates += [(s, c) for s in SWAPS[name] if c in constants(s, max_const)]
+    return candidates + [(s, c) for s in SWAPS[name] if c in constants(s, max_const)]
+
+
+def _off_by_one(name: str, c: int, max_const: int) -> list[tuple[str, int]]:
+    """The constant + 1, or - 1 at the top of its range."""
+    return [(name, c + 1 if c + 1 in constants(name, max_const) else c - 1)]
+
+
+# `task.code.slip`: the wrong versions of one operation (name, constant) a teacher draws from.
+SLIPS: dict[str, Callable[[str, int, int], list[tuple[str, int]]]] = {
+    "any": _any_slip,
+    "off_by_one": _off_by_one,
+}
+
+
+def slips(program: Program, at: int, max_const: int, kind: str = "any") -> list[Program]:
+    """The wrong versions of operation `at` that a teacher of slip kind `kind` may write."""
+    name, c = program[at]
+    candidates = SLIPS[kind](name, c, max_const)
     return [(*program[:at], slip, *program[at + 1 :]) for slip in candidates]
 
 
@@ -265,7 +290,11 @@ def teacher_program(
         if coins[at] >= options.error_prob:
             continue
         # Against the true f, not the program so far: a second slip never undoes a first.
-        wrong = [s for s in slips(out, at, options.max_const) if np.any(evaluate(s, xs) != want)]
+        wrong = [
+            s
+            for s in slips(out, at, options.max_const, options.slip)
+            if np.any(evaluate(s, xs) != want)
+        ]
         if wrong:
             out = wrong[min(int(picks[at] * len(wrong)), len(wrong) - 1)]
     return out

@@ -133,6 +133,31 @@ def test_noisy_teacher_error_rate_on_one_operation_problems():
     assert abs(wrong - 0.3) < 0.06  # every slip is wrong; sd 0.019
 
 
+def test_off_by_one_teacher_writes_the_constant_plus_one_and_nothing_else():
+    """`slip: off_by_one`: a slipped program is the canonical one with its constant + 1 (- 1
+    at max_const), it fails in the sandbox, and it is written exactly when the error coin
+    falls and + 1 changes f at a hidden input (checked here with plain Python integers)."""
+    options = CodeOptions(max_ops=1, error_prob=0.5, slip="off_by_one")
+    problems = sample(600, seed=16, options=options)
+    rng = np.random.default_rng(17)
+    coins = np.random.default_rng(17)  # the teacher draws (coin, pick) per operation
+    texts, expected = [], []
+    for p in problems:
+        texts.append(CODE.teacher_solution(p, rng, options))
+        coin, _ = coins.random(1)[0], coins.random(1)[0]
+        ((name, c),) = p.meta["program"]
+        wrong = c + 1 if c + 1 <= options.max_const else c - 1
+        slipped = ((name, wrong),)
+        changes = any(py_eval(slipped, x) != py_eval(((name, c),), x) for x in p.meta["hidden"])
+        expected.append(code_dsl.render(slipped) if coin < 0.5 and changes else p.answer)
+    assert texts == expected
+    slipped = [t != p.answer for t, p in zip(texts, problems, strict=True)]
+    assert 0.35 < np.mean(slipped) < 0.5  # 0.5 x the share where + 1 shows at a hidden input
+    rewards = CODE.verify_batch(problems, texts)
+    assert rewards == [0.0 if s else 1.0 for s in slipped]
+    assert CODE.max_completion_chars(options) == len("abs(x-9)")  # a slip stays in range
+
+
 def test_every_character_is_in_the_tokenizer_charset():
     rng = np.random.default_rng(12)
     for options in (CodeOptions(), WIDE, CodeOptions(max_ops=1, examples=4, tests=1)):
@@ -163,6 +188,7 @@ def test_completions_fit_max_completion_chars():
         ("examples", 3, "4..10"),
         ("tests", 0, "1..10"),
         ("error_prob", 1.0, r"\[0, 1\)"),
+        ("slip", "typo", r"any \| off_by_one"),
     ],
 )
 def test_options_errors_name_the_field_and_what_is_allowed(field, value, allowed):

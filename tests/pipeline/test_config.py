@@ -581,6 +581,7 @@ NEW_KEYS = (
     "lora",
     "distill",
     "trainer.judge_loss_weight",
+    "task.code.slip",
     "trainer.routing_replay",
     *(
         f"model.{name}"
