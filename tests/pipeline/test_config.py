@@ -610,7 +610,7 @@ SHIPPED_DIGESTS = {
     "configs/algorithms/rloo.yaml": ("2c4db5e7112e04d4", "85f642ff02305f12"),
     "configs/chaos.yaml": ("06579748d7f19b72", "e6c946145d419ceb"),
     "configs/demo.yaml": ("d403800a7351eae7", "4e254106a1ffb2fb"),
-    "configs/demo_code.yaml": ("f11e97239a3120ae", "b998d385dada4ebe"),  # issue 43: new recipe
+    "configs/demo_code.yaml": ("fec55c3b434bc21f", "71480469322454d6"),  # issue 43: new recipe
     "configs/demo_judge.yaml": ("f9f2b79807a28200", "06e2ec594c374b27"),
     "configs/demo_tools.yaml": ("fc7141845d032647", "c5f02643a86003bf"),
     "configs/tiny.yaml": ("142d0736cbdd3f28", "51246ed03630a5d7"),
