@@ -66,20 +66,36 @@ class Scored:
     routing: list[np.ndarray] | None = None
 
 
+def distinct_rows(problems: Sequence[Problem], texts: Sequence[str]) -> list[int]:
+    """For each row, the first row with the same problem and text (itself if none)."""
+    first: dict[tuple[str, str], int] = {}
+    pairs = zip(problems, texts, strict=True)
+    return [first.setdefault((p.problem_id, t), r) for r, (p, t) in enumerate(pairs)]
+
+
 def verify_rows(problems: Sequence[Problem], texts: Sequence[str]) -> list[float]:
     """Each row's reward: one `verify_batch` call per task family, so families that run
-    a sandbox (math, code) score the whole batch concurrently."""
+    a sandbox (math, code) score the whole batch concurrently.
+
+    A (problem, text) pair that repeats is verified once and its reward copied: a reward
+    is a function of the problem and the text, and a group of G samples repeats itself
+    once the policy sharpens (in the code demo two programs of three were repeats, and
+    the sandbox's 256 runs a batch were 45% of its wall time). A program that draws random
+    numbers or races its time limit gets one verdict for all its copies, where it used to
+    get one per copy."""
     rewards = [0.0] * len(problems)
+    source = distinct_rows(problems, texts)
     by_family: dict[str, list[int]] = {}
     for r, p in enumerate(problems):
-        by_family.setdefault(p.task, []).append(r)
+        if source[r] == r:
+            by_family.setdefault(p.task, []).append(r)
     for family, rows in by_family.items():
         scores = get_task(family).verify_batch(
             [problems[r] for r in rows], [texts[r] for r in rows]
         )
         for r, score in zip(rows, scores, strict=True):
             rewards[r] = float(score)
-    return rewards
+    return [rewards[source[r]] for r in range(len(problems))]
 
 
 def _timed_verify(problems: Sequence[Problem], texts: Sequence[str]) -> tuple[list[float], float]:
