@@ -11,8 +11,9 @@ evaluator's 95% bootstrap intervals, the gains with a paired 95% bootstrap inter
 same held-out problems at both versions; `benchmarks/demo_seeds.py`'s numbers), and from
 the rollout workers' per-batch records (`metrics/rollout/`): the share of each batch's
 wall time spent waiting on the sandbox after generation (`verify_wait_s / seconds`), the
-sandbox's total time per batch (`verify_s`, part of it may overlap generation) and its
-throughput (program runs per second of `verify_s`: one run per completion here).
+sandbox's total time per batch (`verify_s`, part of it may overlap generation), its runs
+per batch (one per distinct program of a prompt: a repeated one is run once) and its
+throughput (runs per second of `verify_s`).
 
 The target per seed is the arithmetic demo's (`demo_seeds.meets_target`): pass@1 +20
 points and pass@8 +10 over the seed's own SFT base, base pass@8 at most 0.6, at least 500
@@ -51,30 +52,40 @@ from demo_seeds import (  # noqa: E402
     write_results,
 )
 
+from pipeline.rollouts import from_parquet_bytes  # noqa: E402
 from pipeline.run import Run  # noqa: E402
 
 
 def sandbox_share(run: Run) -> dict:
     """Per committed rollout batch: the sandbox wait's share of the batch's wall time, the
-    sandbox's seconds, and its runs per second (one run per completion, G per prompt)."""
+    sandbox's seconds, and its runs per second. A run is a distinct (problem, program) pair
+    of the batch (`verify_rows` runs a repeated pair once); `distinct_share` is their
+    share of the batch's rows."""
     records = [r for r in run.read_metrics("rollout") if r.get("committed")]
     if not records:
         return {}
     cfg = run.config
-    runs = cfg.rollout.prompts_per_batch * cfg.rollout.group_size
+    rows = cfg.rollout.prompts_per_batch * cfg.rollout.group_size
+    keys = [k for k in run.store.list("rollouts/") if k.endswith(".parquet")]
+    runs = []
+    for key in keys:  # the stored batches: the committed ones
+        batch = from_parquet_bytes(run.store.read(key))
+        runs.append(len(set(zip(batch.prompt_id, batch.completion, strict=True))))
     wait = np.asarray([r["verify_wait_s"] for r in records])
     spent = np.asarray([r["verify_s"] for r in records])
     wall = np.asarray([r["seconds"] for r in records])
     share = wait / wall
     return {
         "batches": len(records),
-        "runs_per_batch": runs,
+        "rows_per_batch": rows,
+        "runs_per_batch_mean": float(np.mean(runs)),
+        "distinct_share": float(np.sum(runs) / (rows * len(runs))),
         "wait_share_mean": float(share.mean()),
         "wait_share_median": float(np.median(share)),
         "wait_share_max": float(share.max()),
         "verify_s_mean": float(spent.mean()),
         "batch_s_mean": float(wall.mean()),
-        "runs_per_s": float(runs * len(records) / spent.sum()),
+        "runs_per_s": float(np.mean(runs) / spent.mean()),
     }
 
 
@@ -98,14 +109,15 @@ def table(rows: list[dict]) -> list[str]:
     out = [
         "| seed | base pass@1 | final pass@1 | gain pass@1 (points) | base pass@8 | final pass@8 "
         "| gain pass@8 (points) | sandbox wait / batch (mean, max) | sandbox s / batch "
-        "| runs/s | wall time | target | HumanEval pass@1 (final version) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| runs / batch | runs/s | wall time | target | HumanEval pass@1 (final version) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s = r.get("sandbox") or {}
         share = f"{100 * s['wait_share_mean']:.0f}%, {100 * s['wait_share_max']:.0f}%" if s else "–"
         sec = f"{s['verify_s_mean']:.2f} of {s['batch_s_mean']:.2f}" if s else "–"
         rate = f"{s['runs_per_s']:.0f}" if s else "–"
+        runs = f"{s['runs_per_batch_mean']:.0f} of {s['rows_per_batch']}" if s else "–"
         err = f" ({r['error']})" if "error" in r else ""
         he = r.get("humaneval") or {}
         he_text = (
@@ -117,7 +129,7 @@ def table(rows: list[dict]) -> list[str]:
             f"| {r['seed']}{err} | {_ci(r.get('base_pass@1'))} | {_ci(r.get('final_pass@1'))} "
             f"| {_gain(r.get('gain_pass@1'))} | {_ci(r.get('base_pass@8'))} "
             f"| {_ci(r.get('final_pass@8'))} | {_gain(r.get('gain_pass@8'))} | {share} | {sec} "
-            f"| {rate} | {r['wall_s'] / 60:.1f} min | {'met' if r.get('passed') else 'missed'} "
+            f"| {runs} | {rate} | {r['wall_s'] / 60:.1f} min | {'met' if r.get('passed') else 'missed'} "
             f"| {he_text} |"
         )
     return out
