@@ -3,6 +3,8 @@ once, in the real sandbox, and every copy gets the reward the pair gets on its o
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -40,6 +42,9 @@ def test_repeated_pairs_are_verified_once_with_the_same_rewards(monkeypatch):
     problems = [p, p, q, p, q, p, a, a]
     texts = [p.answer, wrong, q.answer, p.answer, q.answer, wrong, a_text, a_text]
     assert distinct_rows(problems, texts) == [0, 1, 2, 0, 2, 1, 6, 6]
+    # An equal problem in another object is judged on its own.
+    twin = dataclasses.replace(p)
+    assert distinct_rows([p, twin, p], ["x", "x", "x"]) == [0, 1, 0]
     recording = _Recording(code)
     monkeypatch.setitem(TASKS, "code", recording)
     rewards = verify_rows(problems, texts)

@@ -67,10 +67,12 @@ class Scored:
 
 
 def distinct_rows(problems: Sequence[Problem], texts: Sequence[str]) -> list[int]:
-    """For each row, the first row with the same problem and text (itself if none)."""
-    first: dict[tuple[str, str], int] = {}
+    """For each row, the first row with the same problem object and text (itself if none).
+    The object, not its problem_id: a group's rows share one, and two problems that only
+    share a prompt (the id hashes the prompt) can never share a verdict."""
+    first: dict[tuple[int, str], int] = {}
     pairs = zip(problems, texts, strict=True)
-    return [first.setdefault((p.problem_id, t), r) for r, (p, t) in enumerate(pairs)]
+    return [first.setdefault((id(p), t), r) for r, (p, t) in enumerate(pairs)]
 
 
 def verify_rows(problems: Sequence[Problem], texts: Sequence[str]) -> list[float]:
