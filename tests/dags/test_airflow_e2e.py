@@ -110,6 +110,7 @@ def _explain(af: LocalAirflow, run_id: str) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.e2e  # ~2 CPU-minutes: .ci/run's e2e lane, not make test
 @pytest.mark.timeout(1200)
 def test_rl_training_via_rest_end_to_end_and_trainer_preemption(airflow, tmp_path):
     t0 = time.monotonic()

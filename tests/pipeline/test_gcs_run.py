@@ -112,6 +112,7 @@ def _check_checkpoints_on_gcs(run: Run) -> None:
     assert not Path("gs:").exists()
 
 
+@pytest.mark.e2e  # the two runs, ~1.5 CPU-minutes with their base: .ci/run's e2e lane
 @needs_gcsfs
 def test_gcs_run_survives_worker_killed_mid_batch(
     gcs_emulator, tiny_base, reference, jax_cache_env, tmp_path
@@ -355,6 +356,7 @@ def test_fault_proxy_forwards_and_fails(fault_proxy, gcs_emulator):
     assert set(fault_proxy.faults) == set(FaultProxy.KINDS)
 
 
+@pytest.mark.e2e
 @needs_gcsfs
 def test_gcs_run_survives_http_faults(
     gcs_emulator, tiny_base, reference, jax_cache_env, fault_proxy, tmp_path

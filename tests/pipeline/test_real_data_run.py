@@ -28,7 +28,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 _FORBIDDEN = userns_forbidden()
-pytestmark = pytest.mark.skipif(_FORBIDDEN is not None, reason=f"no sandbox here: {_FORBIDDEN}")
+pytestmark = [  # ~1 CPU-minute: .ci/run's e2e lane, not make test
+    pytest.mark.e2e,
+    pytest.mark.skipif(_FORBIDDEN is not None, reason=f"no sandbox here: {_FORBIDDEN}"),
+]
 
 TINY = {"config_file": "configs/tiny.yaml", "storage_root": "runs", "task_families": ["math"]}
 SMALL = [
