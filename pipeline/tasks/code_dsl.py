@@ -267,10 +267,11 @@ SLIPS: dict[str, Callable[[str, int, int], list[tuple[str, int]]]] = {
 }
 
 
-def slips(program: Program, at: int, max_const: int, kind: str = "any") -> list[Program]:
-    """The wrong versions of operation `at` that a teacher of slip kind `kind` may write."""
+def slips(program: Program, at: int, options: CodeOptions) -> list[Program]:
+    """The wrong versions of operation `at` that the teacher of `options` (its `slip`
+    kind, within its `max_const`) may write."""
     name, c = program[at]
-    candidates = SLIPS[kind](name, c, max_const)
+    candidates = SLIPS[options.slip](name, c, options.max_const)
     return [(*program[:at], slip, *program[at + 1 :]) for slip in candidates]
 
 
@@ -290,11 +291,7 @@ def teacher_program(
         if coins[at] >= options.error_prob:
             continue
         # Against the true f, not the program so far: a second slip never undoes a first.
-        wrong = [
-            s
-            for s in slips(out, at, options.max_const, options.slip)
-            if np.any(evaluate(s, xs) != want)
-        ]
+        wrong = [s for s in slips(out, at, options) if np.any(evaluate(s, xs) != want)]
         if wrong:
             out = wrong[min(int(picks[at] * len(wrong)), len(wrong) - 1)]
     return out
