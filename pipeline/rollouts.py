@@ -8,7 +8,7 @@ contiguous and of size G.
 Learning to judge (`RolloutConfig.judge_fraction`) adds *judge groups* after the solve
 groups (each contiguous and of size G, ordered by judge slot): `kind` is "judge" (else
 "solve"), `prompt_ids` the judged problem's prompt, `completion_ids` the judged solution
-(without EOS) + the verification suffix + the sampled verdict (+ EOS), and `loss_mask` is 0
+(ending in one EOS, `pipeline.tasks.judge`) + the verification suffix + the sampled verdict (+ EOS), and `loss_mask` is 0
 on the solution and suffix tokens (context the policy did not sample here) and 1 on the
 verdict tokens; `behaviour_logprobs` are 0 where the mask is 0. Both columns are optional:
 a batch written before them (or a row with a null mask) reads as all "solve" with an

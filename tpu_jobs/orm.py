@@ -5,7 +5,7 @@
 A separate model of the same family as the policy judges a solution in the shared
 self-verification format (`pipeline/tasks/judge.py`):
 
-    [BOS] prompt | solution (no EOS) | JUDGE_SUFFIX | verdict
+    [BOS] prompt | solution EOS | JUDGE_SUFFIX | verdict
 
 and its score is p(y) / (p(y) + p(n)) at the verdict position, computed by the same
 `tpu_jobs.model.judge.self_scores` as the policy's Self-PRM score, with the ORM's weights. So

@@ -30,7 +30,7 @@ a correct one when (batch index + j) is even, a wrong one when it is odd, drawn 
 generator seeded with (seed, batch index) as `rollout.judge_pick` says: over the whole
 round ("round", `pick_judged_in_round`) or in same-problem pairs ("problem",
 `pick_judged_by_problem`), so judged solutions are balanced. Its G samples are verdicts:
-the sampler's prompt is the problem's prompt + the solution without EOS + `JUDGE_SUFFIX`,
+the sampler's prompt is the problem's prompt + the solution, EOS + `JUDGE_SUFFIX`,
 with VERDICT_MAX_TOKENS new tokens, keys
 from (seed, JUDGE_STREAM, batch index, j, sample), and the reward is `judge_reward` (1 iff
 the verdict matches the verifier's grade of the solution). Judge groups come after the

@@ -94,7 +94,7 @@ def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completio
             label = JUDGE_LABELS[cfg.sft.judge_labels]
             text, verdict = label(task, p, text, bool(coins[row]), jrng, options)
             completions.append(
-                [*tok.encode(text), *suffix_ids(tok), *tok.encode_completion(verdict)]
+                [*tok.encode_completion(text), *suffix_ids(tok), *tok.encode_completion(verdict)]
             )
             sampled.append([1] * len(completions[-1]))
         else:

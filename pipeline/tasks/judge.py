@@ -1,10 +1,18 @@
 """The self-verification format shared by Self-PRM scoring, the ORM and learning-to-judge.
 
-A judged sequence is the problem's prompt, the solution being judged (its completion text
-without EOS), the verification suffix `JUDGE_SUFFIX`, then one verdict character:
-`VERDICT_YES` ("this solution is correct") or `VERDICT_NO`, then EOS. In token ids:
+A judged sequence is the problem's prompt, the solution being judged (its completion text,
+then EOS whether or not the sample wrote one), the verification suffix `JUDGE_SUFFIX`, then
+one verdict character: `VERDICT_YES` ("this solution is correct") or `VERDICT_NO`, then
+EOS. In token ids:
 
-    [BOS] prompt | solution | JUDGE_SUFFIX | verdict [EOS]
+    [BOS] prompt | solution EOS | JUDGE_SUFFIX | verdict [EOS]
+
+Why the EOS before the suffix: a solve demonstration ends its solution with EOS, so a
+judging demonstration must too. Without it the two share every token up to the end of the
+solution and then disagree (EOS against the suffix), and SFT with judging demonstrations
+taught the solver to write ";o" after its answer, as often as `sft.judge_fraction`: 25% of
+the base's samples in benchmarks/results/selfprm.md, every one graded wrong, and the
+judge's most frequent wrong pick (a correct chain with ";o" after it).
 
 The self-score of a solution is the model's probability of the "yes" verdict at the
 verdict position, renormalised over the two verdicts: p(y) / (p(y) + p(n)). Every
@@ -28,12 +36,12 @@ def verdict_text(correct: bool) -> str:
 
 
 def judge_context(solution_ids: Sequence[int], suffix_ids: Sequence[int], eos_id: int) -> list[int]:
-    """The completion-side context of a judged solution: its ids without a trailing EOS
-    (a finished sample ends with EOS; an unfinished one does not) plus the suffix ids."""
+    """The completion-side context of a judged solution: its ids ending in one EOS (a
+    finished sample ends with EOS; an unfinished one gets it here) plus the suffix ids."""
     ids = list(solution_ids)
     if ids and ids[-1] == eos_id:
         ids = ids[:-1]
-    return [*ids, *suffix_ids]
+    return [*ids, eos_id, *suffix_ids]
 
 
 def parse_verdict(text: str) -> bool | None:

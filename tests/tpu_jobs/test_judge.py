@@ -57,16 +57,19 @@ def _reference(model, prompt, context):
     return np.asarray(out)
 
 
-def test_judge_sequences_strip_eos_and_append_suffix():
+def test_judge_sequences_end_the_solution_with_one_eos_and_append_suffix():
     prompts, solutions = _cases()
     ps, cs = judge_sequences(TOK, prompts, solutions)
     assert ps == prompts
     suffix = suffix_ids(TOK)
     assert TOK.decode(suffix) == JUDGE_SUFFIX
-    assert cs[0] == [*TOK.encode("46#46"), *suffix]
-    assert cs[1] == [*TOK.encode("56#5"), *suffix]  # nothing to strip
-    assert cs[3] == suffix
-    assert all(TOK.eos_id not in c for c in cs)
+    # A solve demonstration's solution ends with EOS, so a judged one does too: the
+    # sampled EOS is kept, and a sample cut off without one gets it.
+    eos = TOK.eos_id
+    assert cs[0] == [*TOK.encode("46#46"), eos, *suffix]
+    assert cs[1] == [*TOK.encode("56#5"), eos, *suffix]  # cut off: EOS added
+    assert cs[3] == [eos, *suffix]
+    assert all(c.count(eos) == 1 for c in cs)
     with pytest.raises(ValueError, match="one solution per prompt"):
         judge_sequences(TOK, prompts, solutions[:2])
 

@@ -197,9 +197,10 @@ def test_judge_groups_reward_the_verifier_match(index):
         assert {tuple(cols["pr"][i]) for i in rows} == {tuple(prompt)}
         assert all(cols["pos"][i] == slot for i in rows)
         ctx = cols["co"][j * g][:-2]
-        assert ctx[-len(SUFFIX) :] == SUFFIX and TOK.eos_id not in ctx
-        solution = TOK.decode(ctx[: -len(SUFFIX)])
-        # The judged solution is one of that slot's samples (EOS stripped) ...
+        assert ctx[-len(SUFFIX) :] == SUFFIX and ctx[-len(SUFFIX) - 1] == TOK.eos_id
+        assert ctx.count(TOK.eos_id) == 1
+        solution = TOK.decode(ctx[: -len(SUFFIX) - 1])
+        # The judged solution is one of that slot's samples (ending in EOS) ...
         candidates = [TOK.decode(c) for c in r["completions"][slot * g : (slot + 1) * g]]
         assert solution in candidates
         judged.append((slot, solution))
@@ -246,7 +247,7 @@ def test_loss_mask_keeps_only_the_verdict_tokens(judge_cfg):
     batch = _hand_batch()
     prompt_len = round_up(max(len(p) for p in batch.prompt_ids), 8)
     learner = Learner(judge_cfg, prompt_len, fused=False)
-    assert learner.completion_len == judged_completion_len(64, TOK) == 64 + len(SUFFIX) + 2
+    assert learner.completion_len == judged_completion_len(64, TOK) == 64 + 1 + len(SUFFIX) + 2
     inp = learner.inputs(batch)
     cm = np.asarray(inp.comp_mask)
     for i in range(4):
@@ -398,12 +399,16 @@ def test_sft_judge_demonstrations(labels):
         if plain == judge:
             continue
         judged += 1
-        # The solution, then suffix, verdict, EOS; the teacher's draws do not move (with
-        # "balanced" the judged solution is re-drawn from the judge stream instead).
-        solution = judge[: -2 - len(SUFFIX)]
+        # The solution and its EOS (as a solve demonstration ends it: nothing teaches the
+        # solver to write the suffix after its answer), then suffix, verdict, EOS; the
+        # teacher's draws do not move (with "balanced" the judged solution is re-drawn
+        # from the judge stream instead).
+        solution = judge[: -3 - len(SUFFIX)]
+        assert judge[-3 - len(SUFFIX)] == TOK.eos_id
         assert judge[-2 - len(SUFFIX) : -2] == SUFFIX and judge[-1] == TOK.eos_id
         if labels != "balanced":
             assert solution == plain[:-1]
+            assert judge[: len(plain)] == plain  # the solve demonstration, EOS included
         verdict = TOK.decode(judge[-2:-1])
         assert verdict in ("y", "n")
         verdicts.append(verdict)

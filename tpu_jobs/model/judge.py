@@ -2,7 +2,7 @@
 
 The text format is `pipeline/tasks/judge.py`. A judged row is
 
-    [BOS] prompt | solution (no EOS) | JUDGE_SUFFIX | verdict [EOS]
+    [BOS] prompt | solution EOS | JUDGE_SUFFIX | verdict [EOS]
 
 and the *self-score* of a solution (Self-PRM reranking, the ORM baseline, judge accuracy
 in learning-to-judge) is the model's probability of the "yes" verdict at the verdict
@@ -15,8 +15,8 @@ API (stable; the evaluator and the rollout worker import it):
     suffix_ids(tok) -> list[int]                       ids of JUDGE_SUFFIX
     verdict_ids(tok) -> (yes_id, no_id)                 ids of VERDICT_YES / VERDICT_NO
     judge_sequences(tok, prompt_ids_list, solution_ids_list) -> (prompts, contexts)
-        prompts[i] = prompt_ids_list[i] (a copy), contexts[i] = solution without a
-        trailing EOS + suffix ids; the verdict is predicted after the last context token.
+        prompts[i] = prompt_ids_list[i] (a copy), contexts[i] = solution ending in one
+        EOS + suffix ids; the verdict is predicted after the last context token.
     verdict_logprobs(model, tok, prompt_ids_list, solution_ids_list, *, batch_size=256)
         -> np.ndarray [N, 2] float32: (log p(y), log p(n)) at the verdict position under
         the full softmax.
@@ -98,8 +98,9 @@ VERDICT_MAX_TOKENS = 2
 
 def judged_completion_len(max_new_tokens: int, tok: Tokenizer) -> int:
     """Completion slots that hold a judge row: a solution of up to `max_new_tokens` tokens
-    (its EOS, if any, dropped), the suffix and the sampled verdict tokens."""
-    return max_new_tokens + len(suffix_ids(tok)) + VERDICT_MAX_TOKENS
+    and its EOS (one more when the sample was cut off without one), the suffix and the
+    sampled verdict tokens."""
+    return max_new_tokens + 1 + len(suffix_ids(tok)) + VERDICT_MAX_TOKENS
 
 
 def judge_sequences(
@@ -108,7 +109,7 @@ def judge_sequences(
     solution_ids_list: Sequence[Sequence[int]],
 ) -> tuple[list[list[int]], list[list[int]]]:
     """(prompts, contexts) of the judged rows: the prompt unchanged, and the completion-side
-    context = solution ids without a trailing EOS + the suffix ids."""
+    context = solution ids ending in one EOS + the suffix ids (`judge_context`)."""
     if len(prompt_ids_list) != len(solution_ids_list):
         raise ValueError(
             f"{len(prompt_ids_list)} prompts but {len(solution_ids_list)} solutions; "
