@@ -96,6 +96,8 @@ MOE_CEILINGS: dict[str, int] = {
     "shared_expert_intermediate_size": 131072,
 }
 MAX_WORKERS = 1024  # workers
+# sft.judge_labels: how judging demonstrations are labelled (tpu_jobs.sft.JUDGE_LABELS).
+JUDGE_LABEL_KINDS = ("random", "verifier", "balanced", "slips")
 
 
 @dataclass(frozen=True)
@@ -286,7 +288,11 @@ class SFTConfig:
     # "balanced" = a fair coin picks a correct or a wrong teacher solution of the same
     # problem (re-drawn until the verifier agrees), labelled by the verifier, so the label
     # says nothing about the problem: "verifier" labels let the judge learn a shortcut
-    # (many carries -> "n") that ranks solutions of one problem backwards.
+    # (many carries -> "n") that ranks solutions of one problem backwards; "slips" =
+    # "balanced" with half the wrong solutions a random slip carried through (a wrong digit,
+    # carry or operand, a miscopied answer: `SyntheticTask.slipped_solution`), the errors
+    # an RL'd policy sampling at temperature 1 makes, which a judge of the teacher's
+    # mistakes alone does not see (tpu_jobs/sft.py; measured: no better on the 0.6M demo).
     judge_fraction: float = 0.0
     judge_labels: str = "random"
 
@@ -299,7 +305,7 @@ class SFTConfig:
         _check(self.target_loss >= 0, "sft.target_loss", self.target_loss, ">= 0 (0: off)")
         _check(self.check_every >= 1, "sft.check_every", self.check_every, ">= 1")
         _check(0 <= self.judge_fraction <= 1, "sft.judge_fraction", self.judge_fraction, "[0, 1]")
-        _one_of("sft.judge_labels", self.judge_labels, ("random", "verifier", "balanced"))
+        _one_of("sft.judge_labels", self.judge_labels, JUDGE_LABEL_KINDS)
 
 
 # The sampler engines that record a MoE model's routing (trainer.routing_replay).

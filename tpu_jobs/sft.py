@@ -63,8 +63,32 @@ def label_balanced(task, problem, text, coin, rng, options) -> tuple[str, str]:
     return text, verdict_text(correct)
 
 
+def label_slips(task, problem, text, coin, rng, options) -> tuple[str, str]:
+    """sft.judge_labels="slips": as "balanced", but half the wrong solutions are the
+    family's slips (`SyntheticTask.slipped_solution`: a wrong digit or carry carried
+    through, a miscopied answer) instead of the teacher's own mistakes, so the judge
+    learns the errors a policy sampling at temperature 1 makes, not only the teacher's
+    (a judge SFT'd on dropped carries alone ranked an RL'd policy's samples at a
+    within-problem AUC of 0.71, against 0.94 on its own base's). A family without slips,
+    or a slip the verifier still grades correct, falls back to "balanced".
+    Measured on demo.yaml, seed 0 (benchmarks/results/selfprm.md, variant `slips`): it did
+    not pay. The base judged its own samples worse (AUC 0.83 against 0.94), and the v40
+    samples no better (0.66 against 0.71); the slipped chains, trained as targets, cost
+    pass@1 (0.390 against 0.481)."""
+    if not coin and rng.random() < 0.5:
+        slipped = task.slipped_solution(problem, rng, options)
+        if slipped is not None and task.verify(problem, slipped) < 1.0:
+            return slipped, verdict_text(False)
+    return label_balanced(task, problem, text, coin, rng, options)
+
+
 # sft.judge_labels -> (task, problem, drawn text, coin, rng, family options) -> (text, verdict)
-JUDGE_LABELS = {"random": label_by_coin, "verifier": label_by_verifier, "balanced": label_balanced}
+JUDGE_LABELS = {
+    "random": label_by_coin,
+    "verifier": label_by_verifier,
+    "balanced": label_balanced,
+    "slips": label_slips,
+}
 
 
 def has_teacher(problem) -> bool:

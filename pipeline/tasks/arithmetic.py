@@ -135,6 +135,34 @@ def columns(op: str, a: int, b: int, drop: np.ndarray | None = None) -> tuple[li
     return steps, carry
 
 
+# A slip of the worked computation (`slipped_columns`): what a sampling policy gets wrong
+# at one column, the rest of the chain carried on from it as the policy does.
+SLIPS = ("operand", "digit", "carry", "answer")
+
+
+def slipped_columns(
+    op: str, a: int, b: int, at: int, kind: str, delta: int
+) -> tuple[list[Column], int]:
+    """The column steps and final carry with one slip at column `at` (`kind`, one of SLIPS
+    but "answer"): its first operand digit ("operand") or result digit ("digit") is off by
+    `delta` (1..9, mod 10), or its carry-out ("carry") is off by `delta` (mod 2 for '+',
+    mod 9 for '*', whose carries are 0..8). Later columns add the slipped carry."""
+    steps, _ = columns(op, a, b)
+    out: list[Column] = []
+    carry = 0
+    for i, (x, y, _, _, _) in enumerate(steps):
+        if i == at and kind == "operand":
+            x = (x + delta) % 10
+        t, u = divmod((x + y if op == "+" else x * y) + carry, 10)
+        if i == at and kind == "digit":
+            u = (u + delta) % 10
+        if i == at and kind == "carry":
+            t = (t + delta) % (2 if op == "+" else 9)
+        out.append((x, y, carry, t, u))
+        carry = t
+    return out, carry
+
+
 def count_carries(op: str, a: int, b: int) -> int:
     """Non-zero carry-outs of the correct computation (the last column's included)."""
     steps, _ = columns(op, a, b)
@@ -243,6 +271,28 @@ class ArithmeticTask(SyntheticTask):
         # One draw per column, used only where that column's carry-out is non-zero.
         drop = rng.random(n) < options.carry_drop_prob
         return render(op, *columns(op, a, b, drop), int(problem.meta["width"]))
+
+    def slipped_solution(
+        self, problem: Problem, rng: np.random.Generator, options: ArithmeticOptions
+    ) -> str:
+        """One slip (SLIPS, uniform) at a uniform column: a wrong operand digit, result
+        digit or carry carried through the later columns, or a correct chain whose answer
+        miscopies one digit. The result may still be right (a carry slip can cancel out);
+        the verifier labels it."""
+        op, a, b = problem.meta["op"], int(problem.meta["a"]), int(problem.meta["b"])
+        width = int(problem.meta["width"])
+        n = len(str(max(a, b))) if op == "+" else len(str(a))
+        kind = SLIPS[int(rng.integers(len(SLIPS)))]
+        at = int(rng.integers(n))
+        delta = int(rng.integers(1, 10))
+        if kind != "answer":
+            return render(op, *slipped_columns(op, a, b, at, kind, delta), width)
+        text = render(op, *columns(op, a, b), width)
+        head, answer = text.rsplit(ANSWER_MARKER, 1)
+        digits = [i for i, ch in enumerate(answer) if ch.isdigit()]
+        i = digits[int(rng.integers(len(digits)))]
+        slipped = str((int(answer[i]) + delta) % 10)
+        return f"{head}{ANSWER_MARKER}{answer[:i]}{slipped}{answer[i + 1 :]}"
 
     def extract_answer(self, completion: str) -> str | None:
         return final_answer(completion, MAX_ANSWER_CHARS)

@@ -156,6 +156,17 @@ class SyntheticTask(Task):
         `teacher_solution`; by default one sampled piece."""
         return [(self.teacher_solution(problem, rng, options), True)]
 
+    def slipped_solution(
+        self, problem: Problem, rng: np.random.Generator, options: Any
+    ) -> str | None:
+        """A worked completion (without EOS) with one random slip of the kind a sampling
+        policy makes (a wrong digit, a misread operand, a miscopied answer), the rest of it
+        consistent with the slip; judging demonstrations (`sft.judge_labels: slips`) show
+        it as a wrong solution beside the teacher's own mistakes. None: the family has no
+        slips (its wrong demonstrations are the teacher's)."""
+        del problem, rng, options
+        return None
+
     def has_teacher(self, problem: Problem) -> bool:
         """Whether `teacher_solution` can demonstrate `problem`: a family that also scores
         curated dataset problems (code) has a teacher only for the ones it generated."""

@@ -7,7 +7,14 @@ import pytest
 
 from pipeline.config import ConfigError, TaskConfig, from_dict
 from pipeline.tasks import TASKS, UnknownTaskError, expr, get_task
-from pipeline.tasks.arithmetic import ArithmeticOptions, ArithmeticTask, columns, render
+from pipeline.tasks.arithmetic import (
+    SLIPS,
+    ArithmeticOptions,
+    ArithmeticTask,
+    columns,
+    render,
+    slipped_columns,
+)
 from pipeline.tasks.base import Problem, SyntheticTask, problem_id
 from pipeline.tasks.code_dsl import CodeOptions
 from pipeline.tasks.countdown import CountdownOptions, CountdownTask, slip, solution_text
@@ -248,6 +255,49 @@ def test_noisy_arithmetic_teacher_error_rate_matches_the_carry_counts():
         sel = k == kk
         sd = np.sqrt((1 - p_drop) ** kk * (1 - (1 - p_drop) ** kk) / sel.sum())
         assert sel.sum() > 100 and abs(correct[sel].mean() - (1 - p_drop) ** kk) < 4 * sd
+
+
+def test_arithmetic_slips_hand_checked():
+    # 57+68: a7+8+0=15, b5+6+1=12 -> 125. Each slip is carried through the later columns.
+    assert render("+", *columns("+", 57, 68), 2) == "a7+8+0=15 b5+6+1=125#125"
+    assert render("+", *slipped_columns("+", 57, 68, 0, "digit", 1), 2) == (
+        "a7+8+0=16 b5+6+1=126#126"
+    )
+    assert render("+", *slipped_columns("+", 57, 68, 0, "carry", 1), 2) == (
+        "a7+8+0=05 b5+6+0=115#115"
+    )
+    assert render("+", *slipped_columns("+", 57, 68, 0, "operand", 1), 2) == (
+        "a8+8+0=16 b5+6+1=126#126"
+    )
+    assert render("+", *slipped_columns("+", 57, 68, 1, "operand", 2), 2) == (
+        "a7+8+0=15 b7+6+1=145#145"
+    )
+    # '*' carries are 0..8: 4567*8's first carry 5 + 5 -> 1 (mod 9), then 6*8+1 = 49.
+    assert render("*", *slipped_columns("*", 4567, 8, 0, "carry", 5), 4) == (
+        "a7*8+0=16   b6*8+1=496  c5*8+4=4496 d4*8+4=36496#36496"
+    )
+
+
+def test_arithmetic_slipped_solutions_are_consistent_and_mostly_wrong():
+    """A digit slip at column i moves the answer by exactly (u' - u) * 10^i; every slip
+    keeps the fixed-width format; the verifier grades ~90% of them wrong (a carry slip
+    can cancel out, and an answer slip is the only inconsistent chain)."""
+    rng = np.random.default_rng(3)
+    wrong = 0
+    problems = sample(ARITH, 400, seed=4)
+    for p in problems:
+        op, a, b, width = p.meta["op"], p.meta["a"], p.meta["b"], p.meta["width"]
+        steps, _ = columns(op, a, b)
+        at, delta = int(rng.integers(len(steps))), int(rng.integers(1, 10))
+        u = steps[at][4]
+        slipped = render(op, *slipped_columns(op, a, b, at, "digit", delta), width)
+        moved = ((u + delta) % 10 - u) * 10**at
+        assert int(slipped.split("#")[1]) == int(p.answer) + moved
+        text = ARITH.slipped_solution(p, rng, CLEAN["arithmetic"])
+        assert len(text) == len(ARITH.teacher_solution(p, rng, CLEAN["arithmetic"]))
+        wrong += ARITH.verify(p, text) < 1.0
+    assert 0.85 < wrong / len(problems) < 0.97
+    assert SLIPS == ("operand", "digit", "carry", "answer")
 
 
 def test_wrong_arithmetic_teacher_misses_by_exactly_the_dropped_carries():

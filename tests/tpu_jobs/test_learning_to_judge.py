@@ -17,7 +17,7 @@ from pipeline.parquet_bytes import table_from_bytes
 from pipeline.rollouts import SCHEMA, RolloutBatch, from_parquet_bytes, to_parquet_bytes
 from pipeline.run import base_server
 from pipeline.tasks import get_task
-from pipeline.tasks.arithmetic import ArithmeticTask
+from pipeline.tasks.arithmetic import ArithmeticTask, columns, render
 from pipeline.tasks.judge import JUDGE_SUFFIX, judge_reward
 from pipeline.tokenizer import get_tokenizer
 from tests.runs import clone_run, tiny_config
@@ -379,7 +379,7 @@ def test_tiny_run_with_judging(tiny_base, tmp_path):
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("labels", ["random", "verifier", "balanced"])
+@pytest.mark.parametrize("labels", ["random", "verifier", "balanced", "slips"])
 def test_sft_judge_demonstrations(labels):
     from types import SimpleNamespace
 
@@ -406,7 +406,7 @@ def test_sft_judge_demonstrations(labels):
         solution = judge[: -3 - len(SUFFIX)]
         assert judge[-3 - len(SUFFIX)] == TOK.eos_id
         assert judge[-2 - len(SUFFIX) : -2] == SUFFIX and judge[-1] == TOK.eos_id
-        if labels != "balanced":
+        if labels not in ("balanced", "slips"):
             assert solution == plain[:-1]
             assert judge[: len(plain)] == plain  # the solve demonstration, EOS included
         verdict = TOK.decode(judge[-2:-1])
@@ -417,7 +417,7 @@ def test_sft_judge_demonstrations(labels):
             correct = ARITH.verify(q, TOK.decode(solution)) >= 1.0
             assert verdict == ("y" if correct else "n")
     assert 16 < judged < 48  # about half of 64
-    if labels == "balanced":  # a fair coin, whatever the problem
+    if labels in ("balanced", "slips"):  # a fair coin, whatever the problem
         assert 0.25 < verdicts.count("y") / judged < 0.75
 
 
@@ -478,3 +478,26 @@ def test_balanced_sft_labels_do_not_depend_on_the_problem():
         assert verdict == ("y" if coin else "n")
     text, verdict = label_balanced(ARITH, none, "unused", False, rng, sft)
     assert ARITH.verify(none, text) == 1.0 and verdict == "y"
+
+
+def test_slips_labels_show_half_the_wrong_solutions_as_slips():
+    """sft.judge_labels=slips: a wrong demonstration is a slip (not any chain the teacher's
+    dropped carries can write) about half the time, the teacher's own mistake otherwise,
+    and always labelled "n"; a correct one stays the clean teacher's."""
+    from itertools import product
+
+    from tpu_jobs.sft import label_slips
+
+    options = tiny_config().task.options_for("arithmetic")
+    p = ARITH.make("+", 4567, 1234, width=4)  # carries out of columns a and b
+    op, a, b = p.meta["op"], p.meta["a"], p.meta["b"]
+    teacher = {render("+", *columns(op, a, b, np.array(m)), 4) for m in product([0, 1], repeat=4)}
+    rng = np.random.default_rng(5)
+    slips = 0
+    for _ in range(200):
+        text, verdict = label_slips(ARITH, p, "", False, rng, options)
+        assert verdict == "n" and ARITH.verify(p, text) == 0.0
+        slips += text not in teacher
+    assert 70 < slips < 130  # Binomial(200, ~0.5 x 0.9)
+    text, verdict = label_slips(ARITH, p, "", True, rng, options)
+    assert (text, verdict) == (render("+", *columns(op, a, b), 4), "y")
