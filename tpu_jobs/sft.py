@@ -117,13 +117,14 @@ def teacher_batch(run: Run, problems, step: int, tok, prompt_len: int, completio
         if judge_fraction > 0 and judged[row]:
             label = JUDGE_LABELS[cfg.sft.judge_labels]
             text, verdict = label(task, p, text, bool(coins[row]), jrng, options)
-            # Only the verdict (and its EOS) is a target: the judged solution and the suffix
-            # are context, as in an RL judge row. A wrong judged solution trained as a
-            # target would teach the solver its mistakes (half the "balanced" ones are).
-            context = [*tok.encode_completion(text), *suffix_ids(tok)]
-            target = tok.encode_completion(verdict)
-            completions.append([*context, *target])
-            sampled.append([0] * len(context) + [1] * len(target))
+            completions.append(
+                [*tok.encode_completion(text), *suffix_ids(tok), *tok.encode_completion(verdict)]
+            )
+            # Every token a target, the judged solution too (wrong half the time under
+            # "balanced"): with only the verdict as a target the base judge ranked its own
+            # samples at a within-problem AUC of 0.70 against 0.94, and solving gained
+            # nothing (pass@1 0.474 against 0.481; selfprm.md, era 3).
+            sampled.append([1] * len(completions[-1]))
         else:
             ids, mask = piece_ids(tok, pieces)
             completions.append([*ids, tok.eos_id])

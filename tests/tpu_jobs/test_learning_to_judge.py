@@ -389,21 +389,16 @@ def test_sft_judge_demonstrations(labels):
     cfg = tiny_config("sft.batch_size=64", "sft.judge_fraction=0.5", f"sft.judge_labels={labels}")
     problems = [ARITH.make("+", a, b) for a in (17, 58, 99, 6) for b in (25, 7, 83)]
     c_len = judged_completion_len(plain_cfg.sampler.max_new_tokens, TOK)
-    out, targets = {}, {}
+    out = {}
     for name, c in (("plain", plain_cfg), ("judge", cfg)):
         tokens, mask, comp = teacher_batch(SimpleNamespace(config=c), problems, 3, TOK, 16, c_len)
-        out[name] = [tokens[r, 16:][mask[r, 16:] > 0].tolist() for r in range(len(tokens))]
-        targets[name] = [tokens[r, 16:][comp[r] > 0].tolist() for r in range(len(tokens))]
+        out[name] = [tokens[r, 16:][comp[r] > 0].tolist() for r in range(len(tokens))]
     prompts = [TOK.decode(t[:16]) for t in tokens]
     judged, verdicts = 0, []
     for r, (plain, judge) in enumerate(zip(out["plain"], out["judge"], strict=True)):
-        assert targets["plain"][r] == plain  # a solve demonstration: every token a target
         if plain == judge:
             continue
         judged += 1
-        # Only the verdict and its EOS are targets: the judged solution (wrong half the
-        # time under "balanced") is context, or SFT would teach the solver its mistakes.
-        assert targets["judge"][r] == judge[-2:]
         # The solution and its EOS (as a solve demonstration ends it: nothing teaches the
         # solver to write the suffix after its answer), then suffix, verdict, EOS; the
         # teacher's draws do not move (with "balanced" the judged solution is re-drawn
