@@ -151,6 +151,25 @@ def judge_metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
     }
 
 
+def verdict_step(fns, tx: optax.GradientTransformation):
+    """A jitted optimiser step of the weighted verdict cross-entropy:
+    (params, opt_state, tokens, mask, verdict_pos, row_weight) -> (params, opt_state, loss),
+    the loss being -sum(w * log p(verdict)) / sum(w) at each row's verdict position."""
+
+    def loss_fn(params, tokens, mask, pos, w):
+        logp = fns.logprobs(params, tokens, mask)  # [B, T]: log p(token t | tokens < t)
+        verdict = jnp.take_along_axis(logp, pos[:, None], axis=1)[:, 0]
+        return -(w * verdict).sum() / jnp.maximum(w.sum(), 1e-6)
+
+    @jax.jit
+    def step(params, opt_state, tokens, mask, pos, w):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask, pos, w)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
 def train_orm(run: Run, *, log=print, log_every: int = 25) -> dict[str, Any]:
     """Train and publish the run's ORM (see the module doc); skip if it exists."""
     cfg, ec = run.config, run.config.eval
@@ -200,16 +219,7 @@ def train_orm(run: Run, *, log=print, log_every: int = 25) -> dict[str, Any]:
     tx = make_optimizer(ec.orm_lr, max(1, steps // 10), max(steps, 1), 0.01, 1.0)
     opt_state = tx.init(params)
 
-    def loss_fn(params, tokens, mask, pos, w):
-        logp = fns.logprobs(params, tokens, mask)  # [B, T]: log p(token t | tokens < t)
-        verdict = jnp.take_along_axis(logp, pos[:, None], axis=1)[:, 0]
-        return -(w * verdict).sum() / jnp.maximum(w.sum(), 1e-6)
-
-    @jax.jit
-    def step_fn(params, opt_state, tokens, mask, pos, w):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask, pos, w)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    step_fn = verdict_step(fns, tx)
 
     losses: list[float] = []
     for step in range(steps):
