@@ -1,25 +1,31 @@
 """Self-PRM that pays without costing solving: the judging recipe over seeds, every variant.
 
-    python benchmarks/selfprm.py [--seeds 0,1,2] [--variants w0.25,no-judge]
-                                 [--config configs/demo.yaml]
+    python benchmarks/selfprm.py [--seeds 0,1,2] [--variants w0.25,plain]
+                                 [--config configs/demo.yaml] [key=value ...]
                                  [--out benchmarks/results/selfprm.md] [--fresh]
                                  [--add VARIANT:SEED:RUN:WALL_S:NOTE ...]
 
-Each (variant, seed) is `rlax demo --config CONFIG --run R seed=S OVERRIDES` (no Airflow:
-the roles as local processes; `demo_seeds.run_local_seed`), timed from start to exit, so
-the wall time includes SFT, RL and both evaluations. A variant is the config plus the
-overrides of `VARIANTS`; `no-judge` is the same recipe without judging (no judge groups,
-the same 32 solve groups per batch, the same SFT base), the control of the solving cost.
+Each (variant, seed) is `rlax demo --config CONFIG --run R seed=S KEY=VALUE... OVERRIDES`
+(no Airflow: the roles as local processes; `demo_seeds.run_local_seed`), timed from start
+to exit, so the wall time includes SFT, RL and both evaluations. The recipe is the config plus the
+command line's key=value overrides (every variant gets them); a variant adds the overrides
+of `VARIANTS`; `plain` is the same recipe without any judging (no judging SFT, no judge
+groups, the same 32 solve groups per batch), the control of the solving cost, matched by
+recipe and seed.
 
 From the final version's eval record: pass@1, maj@8, Self-PRM@8 and their paired
 difference with its 95% bootstrap interval (the evaluator's, over the same problems), the
 judge's within-problem AUC and its precision on the hardest difficulty tercile (the seed
 paper's other finding); from v0 the base's, for the gains. A recipe seed meets issue 41's
 target when Self-PRM@8 - maj@8 has its interval above 0, its pass@1 is within 3 points
-of (or above) the no-judge run of the same seed, and the run took <= 10 minutes.
+of (or above) the control run of the same recipe and seed, and the run took <= 10
+minutes.
 
-Rows accumulate in `--out`'s .json (one per variant and seed, failures included: every
-variant tried stays in the table); `--fresh` starts a new file.
+Rows accumulate in `--out`'s .json (one per variant, seed and code, failures included:
+every variant tried stays in the table); `--fresh` starts a new file. The judging code
+changed under the table (`ERAS`): each row records the era it ran in, and the table shows
+each era apart. The control runs no judging code, so one control row per seed serves
+every era (its bytes are the same in all of them).
 """
 
 from __future__ import annotations
@@ -41,15 +47,25 @@ from pipeline.run import Run  # noqa: E402
 
 K = 8
 MAX_WALL_S = 600.0
-MAX_PASS1_COST = 0.03  # pass@1 may trail the no-judge run of the same seed by this much
-CONTROL = "no-judge"
+MAX_PASS1_COST = 0.03  # pass@1 may trail the control run of the same seed by this much
+CONTROL = "plain"
 READING = "## Reading"
 
-# The judging SFT every variant shares (and the no-judge control too, so that it is the
-# same base): a quarter of the demonstrations end with the verdict of a solution a fair
-# coin made correct or wrong (configs/demo_judge.yaml's SFT).
+# The judging code a row ran under: era -> what it was. Rows without an era ran in the first.
+ERAS = {
+    1: "before the judge-format fix: no EOS between the judged solution and ';ok?'",
+    2: "EOS before ';ok?' (`pipeline.tasks.judge`, 09295b6): today's code",
+    3: (
+        "experiment 3774e33, reverted: only the verdict is an SFT target of a judging demonstration"
+    ),
+}
+ERA = 2  # the era of the code in the tree
+
+# The judging SFT most variants share (`no-judge` is it alone, the control of the rows of
+# era 1 when they were made): a quarter of the demonstrations end with the verdict of a
+# solution a fair coin made correct or wrong (configs/demo_judge.yaml's SFT).
 JUDGE_SFT = ["sft.judge_fraction=0.25", "sft.judge_labels=balanced"]
-# 8 judge groups beside the no-judge run's 32 solve groups, judging same-problem pairs.
+# 8 judge groups beside the 32 solve groups of the controls, judging same-problem pairs.
 JUDGE_GROUPS = [
     "rollout.prompts_per_batch=40",
     "rollout.judge_fraction=0.2",
@@ -58,8 +74,11 @@ JUDGE_GROUPS = [
 
 # name -> (what it changes, overrides of --config). Every variant that was tried stays
 # here, so that each row of the results can be reproduced.
+SLIPS_SFT = ["sft.judge_fraction=0.25", "sft.judge_labels=slips"]
 VARIANTS: dict[str, tuple[str, list[str]]] = {
-    CONTROL: (
+    "plain": ("no judging at all: no judging SFT, no judge groups", []),
+    "slips": ("judging SFT with slips (sft.judge_labels=slips), no judge groups", SLIPS_SFT),
+    "no-judge": (
         "judging SFT, no judge groups (32 solve groups per batch)",
         JUDGE_SFT,
     ),
@@ -110,23 +129,37 @@ def judging(run: Run) -> dict:
     return out
 
 
+def era_of(row: dict) -> int | None:
+    """The row's era; None for the control, which runs no judging code."""
+    return None if is_control(row) else int(row.get("era", 1))
+
+
+def is_control(row: dict) -> bool:
+    return row["variant"] == CONTROL
+
+
+def recipe_of(row: dict) -> str:
+    """The config and the overrides every variant of the row's command got."""
+    return row.get("recipe", row.get("config", "configs/demo.yaml"))
+
+
 def verdicts(rows: list[dict]) -> None:
-    """Each recipe-like row's target (`met`), against the no-judge row of its seed."""
-    control = {r["seed"]: r for r in rows if r["variant"] == CONTROL}
+    """Each row's target (`met`), against the control row of its recipe and seed."""
+    control = {(recipe_of(r), r["seed"]): r for r in rows if is_control(r)}
     for r in rows:
-        if r["variant"] == CONTROL:
+        if is_control(r):
             continue
         final = r.get("final", {})
         diff = final.get(f"self_prm_vs_maj@{K}")
-        ref = control.get(r["seed"], {}).get("final", {}).get("pass@1")
+        ref = control.get((recipe_of(r), r["seed"]), {}).get("final", {}).get("pass@1")
         p1 = final.get("pass@1")
-        r["pass1_vs_no_judge"] = None if ref is None or p1 is None else p1["mean"] - ref["mean"]
+        r["pass1_vs_control"] = None if ref is None or p1 is None else p1["mean"] - ref["mean"]
         r["met"] = bool(
             r.get("exit_code") == 0
             and diff is not None
             and diff["lo"] > 0
-            and r["pass1_vs_no_judge"] is not None
-            and r["pass1_vs_no_judge"] >= -MAX_PASS1_COST
+            and r["pass1_vs_control"] is not None
+            and r["pass1_vs_control"] >= -MAX_PASS1_COST
             and r["wall_s"] <= MAX_WALL_S
         )
 
@@ -137,7 +170,7 @@ def _num(x: float | None, fmt: str = "{:.3f}") -> str:
 
 def table(rows: list[dict]) -> list[str]:
     out = [
-        "| variant | seed | pass@1 | gain pass@1 | gain pass@8 | pass@1 - no-judge | maj@8 "
+        "| variant | seed | pass@1 | gain pass@1 | gain pass@8 | pass@1 - control | maj@8 "
         "| Self-PRM@8 | Self-PRM@8 - maj@8 (paired) | AUC within a problem | precision, "
         "hardest tercile | wall | target |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -146,12 +179,12 @@ def table(rows: list[dict]) -> list[str]:
         f = r.get("final", {})
         auc = f.get("judge_auc_within")
         hard = f.get("hard_precision")
-        target = "control" if r["variant"] == CONTROL else ("met" if r.get("met") else "**missed**")
+        target = "control" if is_control(r) else ("met" if r.get("met") else "**missed**")
         if "error" in r:
             target += f" ({r['error']})"
         if r.get("note"):
             target += f"; {r['note']}"
-        cost = r.get("pass1_vs_no_judge")
+        cost = r.get("pass1_vs_control")
         out.append(
             f"| {r['variant']} | {r['seed']} | {_ci(f.get('pass@1'))} "
             f"| {_gain(r.get('gain_pass@1'))} | {_gain(r.get('gain_pass@8'))} "
@@ -173,10 +206,13 @@ def main() -> int:
     parser.add_argument(
         "--add", action="append", default=[], help="VARIANT:SEED:RUN:WALL_S:NOTE, a run by hand"
     )
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of every variant")
     args = parser.parse_args()
     raw = Path(args.out).with_suffix(".json")
     rows = [] if args.fresh or not raw.is_file() else json.loads(raw.read_text())
+    verdicts(rows)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    recipe = " ".join([args.config, *args.overrides])
     names = [n for n in args.variants.split(",") if n]
     for name in names:
         if name not in VARIANTS:
@@ -184,7 +220,9 @@ def main() -> int:
 
     def record(row: dict) -> None:
         nonlocal rows
-        rows = [r for r in rows if (r["variant"], r["seed"]) != (row["variant"], row["seed"])]
+        row["era"] = ERA
+        same = (row["variant"], row["seed"], era_of(row), recipe_of(row))
+        rows = [r for r in rows if (r["variant"], r["seed"], era_of(r), recipe_of(r)) != same]
         rows.append(row)
         verdicts(rows)
 
@@ -193,19 +231,28 @@ def main() -> int:
             "# Self-PRM without the price (issue 41)",
             "",
             f"`python benchmarks/selfprm.py` ({cpu_name()}, {os.cpu_count()} cores): each "
-            "row is `rlax demo --config CONFIG seed=S` plus the variant's overrides, timed "
-            "from start to exit. Final version against the seed's SFT base (v0); 95% "
+            "row is `rlax demo --config CONFIG seed=S` plus the recipe's overrides (the "
+            "section's title) and the variant's, timed from start to exit, on an otherwise "
+            "idle machine unless its note says so. Final version against the seed's SFT "
+            "base (v0); 95% "
             "bootstrap intervals over problems, paired for differences.",
             "",
             "Variants: "
             + "; ".join(f"`{n}`: {d} ({' '.join(o) or '-'})" for n, (d, o) in VARIANTS.items()),
             "",
             f"Target per seed: Self-PRM@{K} - maj@{K} with its interval above 0, pass@1 "
-            f"within {100 * MAX_PASS1_COST:.0f} points of `{CONTROL}` on the same seed, "
-            f"<= {MAX_WALL_S / 60:.0f} min.",
-            "",
-            *table(sorted(rows, key=lambda r: (r["variant"], r["seed"]))),
+            f"within {100 * MAX_PASS1_COST:.0f} points of `{CONTROL}` on the same recipe and "
+            f"seed, <= {MAX_WALL_S / 60:.0f} min.",
         ]
+        sections = [(f"Control (`{CONTROL}`: no judging code runs)", None)]
+        sections += [(f"Era {e}: {ERAS[e]}", e) for e in sorted(ERAS, key=lambda e: e != ERA)]
+        for recipe in sorted({recipe_of(r) for r in rows}):
+            lines += ["", f"## Recipe `{recipe}`"]
+            for title, era in sections:
+                mine = [r for r in rows if era_of(r) == era and recipe_of(r) == recipe]
+                if mine:
+                    by = sorted(mine, key=lambda r: (r["variant"], r["seed"]))
+                    lines += ["", f"### {title}", "", *table(by)]
         # The reading of the table, written by hand below READING, survives a rerun.
         out = Path(args.out)
         text = out.read_text() if out.is_file() else ""
@@ -221,15 +268,22 @@ def main() -> int:
         row = seed_row(run, int(seed), float(wall), 0)
         row.pop("passed", None)
         row.update(judging(run))
-        row.update(variant=name, config=args.config, note=note, date=time.strftime("%Y-%m-%d"))
+        row.update(variant=name, config=args.config, recipe=recipe, note=note)
+        row.update(date=time.strftime("%Y-%m-%d"))
         record(row)
     write()
     for name in names:
         for seed in (int(s) for s in args.seeds.split(",")):
             row = run_local_seed(
-                f"selfprm-{name}", args.config, seed, stamp, VARIANTS[name][1], judging
+                f"selfprm-{name}",
+                args.config,
+                seed,
+                stamp,
+                [*args.overrides, *VARIANTS[name][1]],
+                judging,
             )
-            row.update(variant=name, config=args.config, date=time.strftime("%Y-%m-%d"))
+            row.update(variant=name, config=args.config, recipe=recipe)
+            row.update(date=time.strftime("%Y-%m-%d"))
             record(row)
             write()
     return 0 if any(r.get("met") for r in rows) else 1
