@@ -60,6 +60,7 @@ def test_rlax_demo_on_the_code_family_runs_rl_with_sandboxed_rewards(tmp_path):
     assert (tmp_path / "run" / "report" / "report.md").exists()
 
 
+@pytest.mark.e2e  # two code demos, ~67 s: kept out of make test for its time
 def test_verifying_one_chunk_while_the_next_generates_changes_no_batch(tmp_path):
     """rollout.sample_chunks=4: the sandbox scores each quarter of a round while the
     sampler makes the next; keys are per row, so the batches are the same bytes."""

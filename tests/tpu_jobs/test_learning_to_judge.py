@@ -501,3 +501,10 @@ def test_slips_labels_show_half_the_wrong_solutions_as_slips():
     assert 70 < slips < 130  # Binomial(200, ~0.5 x 0.9)
     text, verdict = label_slips(ARITH, p, "", True, rng, options)
     assert (text, verdict) == (render("+", *columns(op, a, b), 4), "y")
+
+
+def test_every_judge_label_kind_the_config_allows_has_a_labeller():
+    from pipeline.config import JUDGE_LABEL_KINDS
+    from tpu_jobs.sft import JUDGE_LABELS
+
+    assert tuple(JUDGE_LABELS) == JUDGE_LABEL_KINDS
