@@ -44,14 +44,13 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.metrics import maj_at_k, within_problem_auc  # noqa: E402
+from pipeline.metrics import best_of_k, maj_at_k, within_problem_auc  # noqa: E402
 from pipeline.run import Run, base_server, policy_reader  # noqa: E402
 from pipeline.tasks.arithmetic import columns  # noqa: E402
 from pipeline.tokenizer.run import run_tokenizer  # noqa: E402
-from tpu_jobs.model.batching import pack_rows, round_up  # noqa: E402
-from tpu_jobs.model.judge import judge_sequences, self_scores, verdict_ids  # noqa: E402
+from tpu_jobs.model.judge import self_scores  # noqa: E402
 from tpu_jobs.model.state import flat_to_params, make_optimizer, new_model  # noqa: E402
-from tpu_jobs.orm import class_weights, labelled_rollouts, verdict_step  # noqa: E402
+from tpu_jobs.orm import class_weights, labelled_rollouts, pack_judged, verdict_step  # noqa: E402
 
 K = 8
 
@@ -74,9 +73,16 @@ class Samples:
             [maj_at_k(a, list(c), K) for a, c in zip(answers, self.correct, strict=True)], float
         )
 
+    def best_of(self, scores: np.ndarray) -> np.ndarray:
+        """[problems] float: whether the highest-scored of each problem's first K samples is
+        correct (`pipeline.metrics.best_of_k`, the evaluator's Self-PRM@K)."""
+        return np.array(
+            [best_of_k(s, c, K) for s, c in zip(scores, self.correct, strict=True)], float
+        )
+
     def rank(self, scores: np.ndarray, label: str) -> str:
         """Within-problem AUC and best-of-K - maj@K of `scores` [problems, n]."""
-        best = np.array([c[np.argmax(s[:K])] for s, c in zip(scores, self.correct, strict=True)])
+        best = self.best_of(scores)
         auc = within_problem_auc(scores, self.correct).mean()
         diff = 100 * (best - self.maj).mean()
         return (
@@ -101,7 +107,7 @@ def need(s: Samples) -> None:
                 for j, (text, c) in enumerate(zip(texts, correct, strict=True)):
                     shared.setdefault(text, d * c + rng.normal())
                     scores[i, j] = shared[text]
-            best = np.array([c[np.argmax(x[:K])] for x, c in zip(scores, s.correct, strict=True)])
+            best = s.best_of(scores)
             aucs.append(within_problem_auc(scores, s.correct).mean())
             diffs.append(100 * (best - s.maj).mean())
         print(
@@ -161,12 +167,7 @@ def probe(run: Run, s: Samples, args) -> None:
             prompts.append(list(p_ids)), solutions.append(list(s_ids)), labels.append(label)
     y = np.asarray(labels, bool)
     print(f"{len(y)} training rows ({y.mean():.3f} positive)", flush=True)
-    ps, cs = judge_sequences(tok, prompts, solutions)
-    yes, no = verdict_ids(tok)
-    comps = [[*c, yes if ok else no] for c, ok in zip(cs, y, strict=True)]
-    pl, cl = round_up(max(map(len, ps)), 8), round_up(max(map(len, comps)), 16)
-    tokens, mask, _ = pack_rows(ps, comps, pl, cl, pad_id=tok.pad_id)
-    pos = np.asarray([pl + len(c) - 1 for c in comps], np.int32)
+    tokens, mask, pos, _ = pack_judged(tok, prompts, solutions, y)
     weight = class_weights(y).astype(np.float32)
 
     # The eval samples, as rows to score: whole solutions, or every step prefix of them.
