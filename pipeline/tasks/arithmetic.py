@@ -111,6 +111,11 @@ def sample_operand(rng: np.random.Generator, cfg: ArithmeticOptions) -> int:
     return int("".join(map(str, digits)))
 
 
+def column_count(op: str, a: int, b: int) -> int:
+    """Column steps of `a op b`: the longer addend's digits, or the multiplicand's."""
+    return len(str(max(a, b))) if op == "+" else len(str(a))
+
+
 def columns(op: str, a: int, b: int, drop: np.ndarray | None = None) -> tuple[list[Column], int]:
     """The column steps and the final carry.
 
@@ -247,7 +252,7 @@ class ArithmeticTask(SyntheticTask):
         `width`: the running-result width of the worked solution; at least the number of
         columns (the default), at most len(PLACES).
         """
-        columns_needed = len(str(max(a, b))) if op == "+" else len(str(a))
+        columns_needed = column_count(op, a, b)
         width = columns_needed if width is None else width
         if op not in ("+", "*") or a < 0 or b < 0 or (op == "*" and b > 9):
             raise ValueError(
@@ -267,7 +272,7 @@ class ArithmeticTask(SyntheticTask):
         self, problem: Problem, rng: np.random.Generator, options: ArithmeticOptions
     ) -> str:
         op, a, b = problem.meta["op"], int(problem.meta["a"]), int(problem.meta["b"])
-        n = len(str(max(a, b))) if op == "+" else len(str(a))
+        n = column_count(op, a, b)
         # One draw per column, used only where that column's carry-out is non-zero.
         drop = rng.random(n) < options.carry_drop_prob
         return render(op, *columns(op, a, b, drop), int(problem.meta["width"]))
@@ -281,7 +286,7 @@ class ArithmeticTask(SyntheticTask):
         the verifier labels it."""
         op, a, b = problem.meta["op"], int(problem.meta["a"]), int(problem.meta["b"])
         width = int(problem.meta["width"])
-        n = len(str(max(a, b))) if op == "+" else len(str(a))
+        n = column_count(op, a, b)
         kind = SLIPS[int(rng.integers(len(SLIPS)))]
         at = int(rng.integers(n))
         delta = int(rng.integers(1, 10))
