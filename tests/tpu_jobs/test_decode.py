@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from pipeline.config import ModelConfig
+from pipeline.lora import LoraConfig
 from tests.tpu_jobs.random_weights import random_model
 from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS, default_layout
 from tpu_jobs.generate.interface import SamplingParams
@@ -18,6 +19,7 @@ from tpu_jobs.generate.static_sampler import StaticSampler
 from tpu_jobs.model.transformer import (
     flat_params,
     init_cache,
+    init_model,
     load_flat_params,
     positions_from_mask,
 )
@@ -74,6 +76,24 @@ def test_feature_major_step_equals_full_forward(variant):
         err = np.abs(fm - full).max()
         assert 1e-4 < err <= 0.05 * np.abs(full).max()  # really bfloat16, and close
         assert np.abs(fm - tm).max() <= 2 * err
+
+
+def test_feature_major_serves_lora_adapters_merged():
+    """A model with LoRA adapters decodes as its own (unmerged) forward: the feature-major
+    weights merge kernel + scale * lora_a @ lora_b (they used to read the kernels alone,
+    so a sampler on CPU at hidden >= 256 sampled from the base)."""
+    cfg = ModelConfig(preset="tiny")
+    model = init_model(cfg, 0, LoraConfig(rank=4, alpha=8.0))
+    rng = np.random.default_rng(3)
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
+        var.set_value(jnp.asarray(rng.normal(0, 0.3, var[...].shape), jnp.float32))
+    seq = rng.integers(3, cfg.vocab_size, (4, 8)).astype(np.int32)
+    mask = jnp.ones_like(jnp.asarray(seq))
+    full = np.asarray(model(jnp.asarray(seq), positions_from_mask(mask), mask)[0])[:, 5:]
+    base = np.asarray(init_model(cfg, 0)(jnp.asarray(seq), positions_from_mask(mask), mask)[0])
+    assert np.abs(full - base[:, 5:]).max() > 1e-2  # the adapters act
+    got = decode_logits("feature_major", model, seq[:, :5], seq[:, 5:], "float32")
+    assert np.abs(got - full).max() <= 1e-4, np.abs(got - full).max()
 
 
 def test_default_layout_and_bad_names():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.tpu_jobs.test_sampler import CFG, EOS, PAD, PROMPTS, TRIGGERS, keys_for, random_model
+from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS
 from tpu_jobs.generate.engine import Engine, Request, Resume
 from tpu_jobs.generate.interface import SamplingParams
 from tpu_jobs.generate.kv_pages import PagePool, PoolExhausted
@@ -65,10 +66,14 @@ def assert_same(out, ref, rows=slice(None)):
     assert np.abs(out.logprobs - ref.logprobs[rows]).max() <= 1e-5
 
 
-def test_engine_equals_static_sampler_on_the_same_keys(model, keys, reference):
+@pytest.mark.parametrize("layout", list(DECODE_LAYOUTS))
+def test_engine_equals_static_sampler_on_the_same_keys(model, keys, reference, layout):
+    """In both decode layouts: feature_major (the CPU default from hidden size 256, fused
+    projections over the rows' cache in the per-layer layout) and the model's own forward."""
     ref = reference[1.0]
     assert ref.finished.sum() >= 4 and (~ref.finished).sum() >= 2  # ragged lengths
-    eng = engine()
+    eng = engine(decode_layout=layout)
+    assert eng.decode_layout == layout
     for t in TEMPS:
         assert_same(
             eng.generate(model, ROWS, keys, SamplingParams(max_new_tokens=MAX_NEW, temperature=t)),
@@ -236,3 +241,27 @@ def test_sampler_engine_setting_picks_the_sampler():
     with pytest.raises(FileNotFoundError, match="make .venv-vllm/.installed"):
         vllm.generate(model, [[1, 5]], keys, SamplingParams(max_new_tokens=4))
     vllm.close()
+
+
+def test_stats_count_live_row_steps_and_time_each_phase(model, keys):
+    """The profile benchmarks/engine.py reports: every decode row-step is a live row's
+    (a token emitted) or padding, and each phase's seconds are its own."""
+    eng = engine(kv_tokens=256, profile=True)  # room for every row: no preemption
+    out = eng.generate(model, ROWS, keys, SamplingParams(max_new_tokens=MAX_NEW))
+    stats = eng.stats
+    assert stats["preemptions"] == 0
+    # Each row's first token comes from its admission, the rest from decode chunks.
+    assert stats["live_row_steps"] == out.lengths.sum() - len(ROWS)
+    chunks = sum(eng.chunk_shapes.values())
+    assert chunks == stats["chunks"]
+    assert stats["decode_row_steps"] == sum(
+        rows * eng.chunk * n for (rows, _), n in eng.chunk_shapes.items()
+    )
+    assert stats["live_row_steps"] < stats["decode_row_steps"]  # ragged rows leave padding
+    assert min(stats[k] for k in ("prefill_s", "admit_s", "decode_s", "host_s")) > 0
+
+
+def test_default_row_buckets_are_powers_of_two():
+    assert Engine(CFG, max_slots=64).slot_buckets == (4, 8, 16, 32, 64)
+    assert Engine(CFG, max_slots=48).slot_buckets == (4, 8, 16, 32, 48)
+    assert Engine(CFG, max_slots=2).slot_buckets == (2,)

@@ -71,7 +71,9 @@ def _feature_major_prepare(model: Transformer) -> dict[str, Any]:
     """The step's weights as [out, in]: q/k/v stacked into one matrix (and their biases
     into one vector), gate/up into another, so a layer runs 4 matmuls instead of 7, each
     call having a fixed cost (row blocks of a feature-major output are contiguous:
-    splitting them is free); the LM head as [vocab, hidden]."""
+    splitting them is free); the LM head as [vocab, hidden]. LoRA adapters are merged
+    into their projections (kernel + scale * lora_a @ lora_b): the step reads kernels
+    alone, and a sampler serves the adapted model, as vLLM does (merged)."""
 
     if model.cfg.moe:
         raise ValueError(
@@ -80,7 +82,11 @@ def _feature_major_prepare(model: Transformer) -> dict[str, Any]:
         )
 
     def t(linear):
-        return linear.kernel[...].T
+        kernel = linear.kernel[...]
+        if linear.lora_a is not None:
+            low = linear.lora_a[...].astype(jnp.float32) @ linear.lora_b[...].astype(jnp.float32)
+            kernel = (kernel.astype(jnp.float32) + linear.lora_scale * low).astype(kernel.dtype)
+        return kernel.T
 
     layers = []
     for layer in model.layers:
@@ -108,16 +114,24 @@ def _barrier(x: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(x)
 
 
-def _feature_major_step(model, weights, token, pos, cache, slot, dtype):
+def feature_major_logits(
+    model: Transformer,
+    weights: dict[str, Any],
+    token: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    dtype: str,
+    attend: Callable[[int, Any, jax.Array, jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+    """Float32 logits [B, V] of one token per row through the feature-major layers
+    (`_feature_major_prepare`'s weights); RoPE tables cos/sin of the rows' positions [B, 1,
+    ...]. `attend(layer index, the layer's Attention, q [B, 1, heads, hd], k, v [B, 1, kv,
+    hd])` writes k/v to the caller's cache and returns [B, 1, heads * hd] before o_proj:
+    the static sampler's cache (one slot for every row) or the engine's rows (one position
+    per row)."""
     cfg = model.cfg
     b, eps = token.shape[0], cfg.rms_norm_eps
     x = jnp.take(model.embed_tokens.embedding[...], token, axis=0).astype(DTYPES[dtype]).T
-    cos, sin = rope_tables(pos[:, None], cfg.head_dim, cfg.rope_theta)
-    key_mask = jax.lax.dynamic_update_slice(
-        cache.mask, jnp.ones_like(token)[:, None], (jnp.int32(0), slot)
-    )
-    visible = visible_keys(key_mask, slot, 1)
-    k_all, v_all = list(cache.k), list(cache.v)
     for i, (layer, w) in enumerate(zip(model.layers, weights["layers"], strict=True)):
         att = layer.self_attn
         h = rms_norm(x, layer.input_layernorm.weight[...], eps, axis=0)  # [H, B]
@@ -129,14 +143,29 @@ def _feature_major_step(model, weights, token, pos, cache, slot, dtype):
         k = qkv[:, nq : nq + nk].reshape(b, 1, att.num_kv_heads, att.head_dim)
         v = qkv[:, nq + nk :].reshape(b, 1, att.num_kv_heads, att.head_dim)
         q, k = att.norm_rope(q, k, cos, sin)
-        out, (k_all[i], v_all[i]) = att.attend(q, k, v, visible, (k_all[i], v_all[i], None, slot))
+        out = attend(i, att, q, k, v)
         x = x + w["o"] @ _barrier(out.reshape(b, -1).T)
         h = rms_norm(x, layer.post_attention_layernorm.weight[...], eps, axis=0)
         gate_up = w["gate_up"] @ h
         inter = gate_up.shape[0] // 2
         x = x + w["down"] @ (jax.nn.silu(gate_up[:inter]) * gate_up[inter:])
     h = rms_norm(x, model.norm.weight[...], eps, axis=0)
-    logits = _barrier(weights["head"] @ h).T.astype(jnp.float32)  # [B, V]
+    return _barrier(weights["head"] @ h).T.astype(jnp.float32)  # [B, V]
+
+
+def _feature_major_step(model, weights, token, pos, cache, slot, dtype):
+    cos, sin = rope_tables(pos[:, None], model.cfg.head_dim, model.cfg.rope_theta)
+    key_mask = jax.lax.dynamic_update_slice(
+        cache.mask, jnp.ones_like(token)[:, None], (jnp.int32(0), slot)
+    )
+    visible = visible_keys(key_mask, slot, 1)
+    k_all, v_all = list(cache.k), list(cache.v)
+
+    def attend(i, att, q, k, v):
+        out, (k_all[i], v_all[i]) = att.attend(q, k, v, visible, (k_all[i], v_all[i], None, slot))
+        return out
+
+    logits = feature_major_logits(model, weights, token, cos, sin, dtype, attend)
     return logits, KVCache(k=tuple(k_all), v=tuple(v_all), mask=key_mask)
 
 
@@ -161,3 +190,16 @@ def default_layout(platform: str, hidden_size: int, *, moe: bool = False) -> str
     if platform == "cpu" and hidden_size >= FEATURE_MAJOR_MIN_HIDDEN and not moe:
         return "feature_major"
     return "token_major"
+
+
+def resolve_layout(name: str | None, cfg, mesh: jax.sharding.Mesh | None = None) -> str:
+    """A sampler's decode layout: `name`, checked, or (None) `default_layout` for the
+    platform the sampler runs on (the mesh's, else the default device's)."""
+    if name is None:
+        device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+        name = default_layout(device.platform, cfg.hidden_size, moe=cfg.moe)
+    if name not in DECODE_LAYOUTS:
+        raise ValueError(
+            f"decode_layout={name!r} is invalid; allowed: " + ", ".join(map(repr, DECODE_LAYOUTS))
+        )
+    return name

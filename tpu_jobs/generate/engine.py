@@ -15,12 +15,18 @@ How a call runs (`Engine.run`; `Engine.generate` is the static sampler's interfa
   (`_extend`) of the new groups and requests, then one program (`_admit`) that copies the
   partial pages and samples each admitted row's first token.
 * A decode chunk (`_decode`) runs `chunk` steps of the live rows as one jitted program of
-  static shape: rows padded up to a slot bucket, the block table up to a page bucket, so
-  a chunk's cost follows the rows still running and their lengths, and each bucket
-  compiles once. It gathers the rows' pages once, steps on the contiguous copy and
-  writes the chunk's new keys/values back to the pages. A row that emits EOS or reaches its token limit stops writing (its
-  writes go to the trash page); stop sequences are found on the host after the chunk,
-  and the tokens after one are dropped.
+  static shape: rows padded up to a slot bucket (powers of 2), the block table up to a
+  page bucket, so a chunk's cost follows the rows still running and their lengths, and
+  each bucket compiles once. It gathers the rows' pages once, steps on the contiguous
+  copy and writes the chunk's new keys/values back to the pages. A row that emits EOS or
+  reaches its token limit stops writing (its writes go to the trash page); stop
+  sequences are found on the host after the chunk, and the tokens after one are dropped.
+* The steps run in the sampler's decode layout (`tpu_jobs.generate.decode_layouts`,
+  `ROW_STEPS`): on CPU from hidden size 256, feature_major (q/k/v and gate/up fused,
+  the batch the matmuls' minor dimension; the copy in the per-layer cache layout, read
+  only, and the chunk's own keys in a small array of their own), else the model's own
+  forward over the copy. At the 100m preset on 2 CPU cores the feature-major chunk is
+  ~1.6x faster (benchmarks/results/engine.md).
 * Pages are allocated as rows grow. When the pool (the token budget) runs out, the
   most recently admitted row is preempted: its pages are freed and it is queued again
   with its whole history, to be prefilled when pages are free (recompute, as vLLM
@@ -40,7 +46,8 @@ the requests, so a batch is the same however often it is made (on one machine ki
 from __future__ import annotations
 
 import functools
-from collections import deque
+import time
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +58,7 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from pipeline.rollouts import routing_dtype
+from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS, feature_major_logits, resolve_layout
 from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
 from tpu_jobs.generate.kv_pages import (
     PAGED_ATTENTION,
@@ -61,15 +69,17 @@ from tpu_jobs.generate.kv_pages import (
     RowsLayer,
     copy_pages,
     gather_rows,
+    gather_rows_split,
     init_pages,
     page_bytes,
     scatter_rows,
+    scatter_tokens,
 )
 from tpu_jobs.generate.token_draw import NOISE_BUDGET, as_keys, key_data, sample_step
 from tpu_jobs.generate.weight_copies import cast_state, same_arrays
 from tpu_jobs.model import mesh as meshlib
 from tpu_jobs.model.batching import DEFAULT_PROMPT_BUCKETS, bucket
-from tpu_jobs.model.transformer import DTYPES, Transformer, rope_tables
+from tpu_jobs.model.transformer import DTYPES, Transformer, decode_attention, rope_tables
 
 STOP_REASONS = ("eos", "stop", "length")
 
@@ -277,9 +287,89 @@ def _admit(pages, src, dst, logits, keys, steps, temperature, top_k, top_p, **fl
     return token, logp, pages
 
 
+@dataclass(frozen=True)
+class _RowSteps:
+    """How a decode chunk holds its rows' keys/values (one per decode layout):
+    begin(pages, table, n_steps) -> (what the steps read, what they carry);
+    step(model, weights, read, carry, token, pos, start, c, dtype) -> (float32 logits
+        [B, V], carry, the MoE routers' experts [layers, B, 1, k] or None);
+    end(pages, read, carry, table, positions [B, C], valid [B, C]) -> pages."""
+
+    begin: Callable
+    step: Callable
+    end: Callable
+
+
+def _token_major_step(model, weights, read, rows, token, pos, start, c, dtype):
+    """The model's own layers over rows [B, L, kv, hd] (`gather_rows`), each step writing
+    its token's keys/values into the copy."""
+    hidden, rows, routing = _layers(
+        model,
+        token[:, None],
+        pos[:, None],
+        rows,
+        lambda k, v: RowsLayer(k, v, pos[:, None]),
+        dtype,
+    )
+    return model.logits(hidden[:, 0]), rows, routing
+
+
+def _feature_major_begin(pages, table, n_steps):
+    """The rows' cache in the per-layer layout, read-only for the chunk, and per layer
+    the chunk's own keys [B, kv, hd, C] and values [B, kv, C, hd], written at step c."""
+    old = gather_rows_split(pages, table)
+    b = table.shape[0]
+    nkv, hd = old.k[0].shape[1:3]
+    k = jnp.zeros((b, nkv, hd, n_steps), old.k[0].dtype)
+    v = jnp.zeros((b, nkv, n_steps, hd), old.v[0].dtype)
+    return old, PagedKV(k=(k,) * len(old.k), v=(v,) * len(old.v))
+
+
+def _feature_major_step(model, weights, old, new, token, pos, start, c, dtype):
+    """The feature-major layers (tpu_jobs.generate.decode_layouts): attention over the
+    cache before the chunk (positions < start) and the chunk's keys so far (steps <= c),
+    one softmax over both. A step writes one column of the small per-chunk arrays (the
+    same column for every row) instead of a row-indexed scatter into the cache copy,
+    which cost about as much as the attention itself (100m preset, 64 rows)."""
+    cos, sin = rope_tables(pos[:, None], model.cfg.head_dim, model.cfg.rope_theta)
+    ks, vs = list(new.k), list(new.v)
+    seen = jnp.arange(old.k[0].shape[-1], dtype=jnp.int32)[None, :] < start[:, None]
+    mine = jnp.arange(ks[0].shape[-1], dtype=jnp.int32) <= c
+
+    def attend(i, att, q, k, v):
+        ks[i] = jax.lax.dynamic_update_slice_in_dim(ks[i], k[:, 0, :, :, None], c, axis=3)
+        vs[i] = jax.lax.dynamic_update_slice_in_dim(vs[i], v[:, 0, :, None], c, axis=2)
+        parts = [(old.k[i], old.v[i], seen[:, None, None]), (ks[i], vs[i], mine)]
+        return decode_attention(q, att.num_kv_heads, parts)
+
+    logits = feature_major_logits(model, weights, token, cos, sin, dtype, attend)
+    return logits, PagedKV(k=tuple(ks), v=tuple(vs)), None
+
+
+def _feature_major_end(pages, old, new, table, positions, valid):
+    """Write the chunk's keys/values ([B, C, kv, hd] each) to their pages."""
+    keys = (a.transpose(0, 3, 1, 2) for a in new.k)
+    values = (a.transpose(0, 2, 1, 3) for a in new.v)
+    return scatter_tokens(pages, keys, values, table, positions, valid)
+
+
+# decode_layout -> how a decode chunk steps over its rows.
+ROW_STEPS: dict[str, _RowSteps] = {
+    "token_major": _RowSteps(
+        begin=lambda pages, table, n_steps: (None, gather_rows(pages, table)),
+        step=_token_major_step,
+        end=lambda pages, read, rows, *args: scatter_rows(pages, rows, *args),
+    ),
+    "feature_major": _RowSteps(
+        begin=_feature_major_begin, step=_feature_major_step, end=_feature_major_end
+    ),
+}
+
+
 def _decode(
     graphdef,
     state,
+    weights,
     pages,
     token,
     pos,
@@ -293,18 +383,20 @@ def _decode(
     *,
     n_steps: int,
     dtype: str,
-    attention: str,
+    layout: str,
     use_top_k: bool,
     use_top_p: bool,
     eos_id: int,
     pad_id: int,
 ):
     """`n_steps` decode steps of rows [R]: feed token (at pos), sample the next with
-    sample index `step`, while the row is live (left > 0, no EOS yet). Returns (tokens,
-    log-probs, emitted flags, each [R, n_steps], pages, the fed tokens' experts
-    [n_steps, layers, R, k] or None for a dense model)."""
+    sample index `step`, while the row is live (left > 0, no EOS yet). `weights`: the
+    decode layout's (`decode_layouts`; None for token_major). Returns (tokens, log-probs,
+    emitted flags, each [R, n_steps], pages, the fed tokens' experts [n_steps, layers, R,
+    k] or None for a dense model)."""
     model = nnx.merge(graphdef, state)
     vocab = model.cfg.vocab_size
+    rows = ROW_STEPS[layout]
     sample = functools.partial(
         sample_step,
         temperature=temperature,
@@ -318,35 +410,29 @@ def _decode(
         # Live rows' sample indices run step .. step + n_steps - 1: one vectorised draw.
         noise_all = jax.lax.optimization_barrier(_chunk_noise(keys, step, n_steps, vocab))
 
-    # The rows' pages gathered once per chunk into contiguous copies, which the steps
-    # update in place; the chunk's new keys/values are written back to the pages at the
-    # end. Gathering at every step copied the rows' whole cache per step (~2x the step).
+    # The rows' pages gathered once per chunk into contiguous copies (`ROW_STEPS`); the
+    # chunk's new keys/values are written back to the pages at the end. Gathering at
+    # every step copied the rows' whole cache per step (~2x the step).
     start = pos
+    read, held = rows.begin(pages, table, n_steps)
 
     def body(carry, c):
-        rows, token, pos, step, left, live = carry
-        hidden, rows, routing = _layers(
-            model,
-            token[:, None],
-            pos[:, None],
-            rows,
-            lambda k, v: RowsLayer(k, v, pos[:, None]),
-            dtype,
-        )
+        held, token, pos, step, left, live = carry
+        logits, held, routing = rows.step(model, weights, read, held, token, pos, start, c, dtype)
         noise = _row_noise(keys, step, vocab) if noise_all is None else noise_all[:, c]
-        new, logp = sample(model.logits(hidden[:, 0]), keys, 0, noise=noise)
+        new, logp = sample(logits, keys, 0, noise=noise)
         new = jnp.where(live, new, pad_id)
         logp = jnp.where(live, logp, 0.0)
         inc = live.astype(jnp.int32)
         left = left - inc
-        carry = (rows, jnp.where(live, new, token), pos + inc, step + inc, left)
+        carry = (held, jnp.where(live, new, token), pos + inc, step + inc, left)
         fed = None if routing is None else routing[:, :, 0]
         return (*carry, live & (new != eos_id) & (left > 0)), (new, logp, live, fed)
 
-    init = (gather_rows(pages, table), token, pos, step, left, left > 0)
+    init = (held, token, pos, step, left, left > 0)
     carry, (tokens, logps, emitted, routing) = jax.lax.scan(body, init, jnp.arange(n_steps))
     written = start[:, None] + jnp.arange(n_steps, dtype=jnp.int32)[None]  # fed at step c
-    pages = scatter_rows(pages, carry[0], table, written, emitted.T)
+    pages = rows.end(pages, read, carry[0], table, written, emitted.T)
     return tokens.T, logps.T, emitted.T, pages, routing
 
 
@@ -377,12 +463,16 @@ class Engine:
     `kv_tokens`: the token budget of the page pool (rounded down to whole pages); None:
     max_slots rows of the model's max_seq_len (and a page each), so that no row is ever
     preempted. `row_buckets`: the row counts a chunk or prefill compiles for (None: powers
-    of 4 from 4 up to max_slots). `chunk`: decode steps per jitted chunk
+    of 2 from 4 up to max_slots). `chunk`: decode steps per jitted chunk
     (more: fewer host round trips; fewer: less work past a row's end). `detokenize`:
     token ids -> text, needed for `stop_strings`. `mesh`: weights are placed by the
     mesh's rules and the pool is replicated on it (the slots are not split over the
     data axis yet, docs/scaling.md). `check`: verify the pool's reference counts against
-    the rows after every chunk (tests)."""
+    the rows after every chunk (tests). `decode_layout`: the decode steps' layout
+    (`tpu_jobs.generate.decode_layouts`; None: the platform's default, feature_major on
+    CPU for hidden sizes >= 256, as the static sampler). `profile`: wait for each prefill to finish
+    before the next phase, so that `stats`' seconds per phase are each phase's own
+    (otherwise a prefill's device time shows up in the admission that reads its logits)."""
 
     def __init__(
         self,
@@ -400,6 +490,8 @@ class Engine:
         detokenize: Callable[[list[int]], str] | None = None,
         mesh: jax.sharding.Mesh | None = None,
         check: bool = False,
+        profile: bool = False,
+        decode_layout: str | None = None,
     ):
         for name, value in (("max_slots", max_slots), ("page_size", page_size), ("chunk", chunk)):
             if int(value) <= 0:
@@ -421,9 +513,11 @@ class Engine:
         self.kv_tokens = kv_tokens or max_slots * (cfg.max_seq_len + page_size)
         self.num_pages = self.kv_tokens // self.page_size
         self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
-        # Rows of a chunk or a prefill: powers of 4 up to max_slots (a chunk of 3 live rows
-        # runs 4; of 5, 16): fewer programs to compile than powers of 2, for a few idle rows.
-        default_rows = tuple(b for b in _powers(4, self.max_slots) if b >= min(4, self.max_slots))
+        # Rows of a chunk or a prefill: powers of 2 from 4 up to max_slots (a chunk of 17
+        # live rows runs 32). At the 100m preset a decode step costs about its rows'
+        # matmuls, so padding is paid in full: powers of 4 ran the long tail's 17-row
+        # chunks as 64 rows. Each bucket compiles once per table width.
+        default_rows = tuple(b for b in _powers(2, self.max_slots) if b >= min(4, self.max_slots))
         self.slot_buckets = tuple(sorted(row_buckets or default_rows))
         if self.slot_buckets[-1] < self.max_slots or self.slot_buckets[0] <= 0:
             raise ValueError(
@@ -431,9 +525,11 @@ class Engine:
                 f"largest at least max_slots={max_slots}"
             )
         self.attention = attention
+        self.decode_layout = resolve_layout(decode_layout, cfg, mesh)
         self.detokenize = detokenize
         self.mesh = mesh
         self.check = check
+        self.profile = profile
         self.pool: PagePool | None = None
         self.pages: PagedKV | None = None
         self._pages_key: tuple | None = None
@@ -441,7 +537,12 @@ class Engine:
         self._next_handle = 0
         self._weights: tuple | None = None  # (dtype, given leaves, graphdef, state)
         self._programs: dict[tuple, Callable] = {}  # the ones this engine used
-        self.stats: dict[str, int] = {}
+        # The last `run`'s counters (tokens, row-steps, chunks, pages) and its wall seconds
+        # per phase: prefill, admission and decode programs (dispatch, device time and
+        # the fetch of their results) and the host's own scheduling, the rest.
+        self.stats: dict[str, float] = {}
+        # The last run's decode chunks by (rows, block-table pages) bucket.
+        self.chunk_shapes: Counter = Counter()
 
     # ----------------------------------------------------------------- plumbing
 
@@ -463,21 +564,24 @@ class Engine:
         """Programs compiled so far for the settings this engine used (one per bucket)."""
         return sum(p._cache_size() for p in self._programs.values())
 
-    def _state(self, model: Transformer, dtype: str) -> tuple[nnx.GraphDef, nnx.State]:
-        """The weights in the compute dtype, placed on the mesh; cast once per weight
-        version (new arrays) and dtype."""
+    def _state(self, model: Transformer, dtype: str) -> tuple[nnx.GraphDef, nnx.State, object]:
+        """The weights in the compute dtype, placed on the mesh, and the decode layout's
+        (`decode_layouts`; None for token_major); made once per weight version (new
+        arrays) and dtype."""
         graphdef, state = nnx.split(model)
         given = jax.tree.leaves(state)
         hit = self._weights
         if hit is not None and hit[0] == dtype and same_arrays(hit[1], given):
-            return hit[2], hit[3]
+            return hit[2], hit[3], hit[4]
         self._weights = None
         if self.mesh is not None:
             state = meshlib.shard_tree(state, self.mesh)
         if dtype != "float32":
             state = jax.jit(functools.partial(cast_state, dtype=dtype))(state)
-        self._weights = (dtype, given, graphdef, state)
-        return graphdef, state
+        prepare = DECODE_LAYOUTS[self.decode_layout].prepare
+        weights = jax.jit(lambda s: prepare(nnx.merge(graphdef, s)))(state)
+        self._weights = (dtype, given, graphdef, state, weights)
+        return graphdef, state, weights
 
     def _put(self, x):
         """Host arrays onto the engine's device(s): replicated on the mesh, if any."""
@@ -637,24 +741,32 @@ class Engine:
             params.dtype,
         )
         seqs = self._seqs(requests, dtype)
-        graphdef, state = self._state(model, dtype)
+        graphdef, state, weights = self._state(model, dtype)
         self._run = dict(
             graphdef=graphdef,
             state=state,
+            weights=weights,
             dtype=dtype,
             sampling=(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p)),
             flags=dict(use_top_k=top_k > 0, use_top_p=top_p < 1.0),
             programs={},
         )
+        began = time.perf_counter()
         self.stats = dict(
             prefill_rows=0,
             prefill_tokens=0,
             decode_row_steps=0,
+            live_row_steps=0,  # decode row-steps of rows still live: the rest is padding
             sampled_tokens=0,
             preemptions=0,
             chunks=0,
             peak_pages=0,
+            prefill_s=0.0,
+            admit_s=0.0,
+            decode_s=0.0,
+            host_s=0.0,
         )
+        self.chunk_shapes = Counter()
         self.pool.peak_in_use = self.pool.in_use
         queue: deque = deque()
         groups: dict[tuple[int, ...], _Group] = {}
@@ -683,6 +795,8 @@ class Engine:
             self._abandon(queue, admitted)
             raise
         self.stats["peak_pages"] = self.pool.peak_in_use
+        programs = self.stats["prefill_s"] + self.stats["admit_s"] + self.stats["decode_s"]
+        self.stats["host_s"] = time.perf_counter() - began - programs
         out = [None] * len(seqs)
         shape = (self.cfg.num_layers, self.cfg.num_experts_per_tok)
         for seq in seqs:
@@ -805,11 +919,15 @@ class Engine:
         fn = self._program(
             _extend, 1, run["graphdef"], dtype=run["dtype"], attention=self.attention
         )
+        began = time.perf_counter()
         logits, self.pages, routing = fn(
             run["state"], self.pages, *map(self._put, (tokens, start, count, table))
         )
+        if self.profile:
+            jax.block_until_ready(logits)
         if routing is not None:  # [B, T, layers, k] on the host
             routing = np.moveaxis(jax.device_get(routing), 0, 2)
+        self.stats["prefill_s"] += time.perf_counter() - began
         for r, (unit, tok, s, _) in enumerate(rows):
             unit.logits = logits[r]
             if routing is not None:  # the fed tokens' experts replace any from before
@@ -839,6 +957,7 @@ class Engine:
         steps = np.zeros(a, np.int32)
         steps[: len(seqs)] = [s.step for s in seqs]
         fn = self._program(_admit, 0, **run["flags"])
+        began = time.perf_counter()
         token, logp, self.pages = fn(
             self.pages,
             self._put(src),
@@ -849,6 +968,7 @@ class Engine:
             *run["sampling"],
         )
         token, logp = jax.device_get((token, logp))
+        self.stats["admit_s"] += time.perf_counter() - began
         for r, seq in enumerate(seqs):
             seq.cached = len(seq.history)
             if seq.group is not None:  # a group's member: its prompt's routing
@@ -910,6 +1030,24 @@ class Engine:
         queue.appendleft(seq)
         self.stats["preemptions"] += 1
 
+    def decode_program(self) -> Callable:
+        """The current (or last) run's jitted decode chunk, its weights bound: (pages,
+        token, pos, step, keys, left, table, temperature, top_k, top_p) -> `_decode`'s
+        outputs; it donates the pages. Each (rows, table width) shape compiles once."""
+        run = self._run
+        fn = self._program(
+            _decode,
+            2,  # (state, weights, pages, ...)
+            run["graphdef"],
+            n_steps=self.chunk,
+            dtype=run["dtype"],
+            layout=self.decode_layout,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            **run["flags"],
+        )
+        return functools.partial(fn, run["state"], run["weights"])
+
     def _decode_chunk(self, slots: list, admitted: list[_Seq]) -> None:
         """One jitted chunk over the live rows, then retire the rows that stopped."""
         live = [s for s in slots if s is not None and s.reason is None]
@@ -931,19 +1069,9 @@ class Engine:
                 token[i], pos[i], step[i] = s.history[-1], len(s.history) - 1, s.step
                 left[i] = s.left
                 table[i, : len(s.pages)] = s.pages
-            fn = self._program(
-                _decode,
-                1,
-                run["graphdef"],
-                n_steps=self.chunk,
-                dtype=run["dtype"],
-                attention=self.attention,
-                eos_id=self.eos_id,
-                pad_id=self.pad_id,
-                **run["flags"],
-            )
+            fn = self.decode_program()
+            began = time.perf_counter()
             tokens, logps, emitted, self.pages, routing = fn(
-                run["state"],
                 self.pages,
                 *map(self._put, (token, pos, step)),
                 self._keys(live, r),
@@ -951,8 +1079,11 @@ class Engine:
                 *run["sampling"],
             )
             tokens, logps, emitted, routing = jax.device_get((tokens, logps, emitted, routing))
+            self.stats["decode_s"] += time.perf_counter() - began
             self.stats["chunks"] += 1
             self.stats["decode_row_steps"] += r * self.chunk
+            self.stats["live_row_steps"] += int(emitted.sum())
+            self.chunk_shapes[(r, width)] += 1
             for i, s in enumerate(live):
                 n = int(emitted[i].sum())
                 if routing is not None:  # the n tokens it fed: history[-1], then all but one

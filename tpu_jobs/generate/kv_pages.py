@@ -207,21 +207,55 @@ def gather_rows(pages: PagedKV, table: jax.Array) -> PagedKV:
     return PagedKV(k=tuple(map(rows, pages.k)), v=tuple(map(rows, pages.v)))
 
 
+def scatter_tokens(
+    pages: PagedKV,
+    keys: Iterable[jax.Array],
+    values: Iterable[jax.Array],
+    table: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+) -> PagedKV:
+    """Write each layer's keys and values [B, C, kv, hd] of tokens at `positions` [B, C]
+    where `valid`, into the pages of `table` [B, P] (the rest to the trash page)."""
+    size, n = pages.page_size, table.shape[1]
+    index = jnp.arange(table.shape[0])[:, None]
+    write_page = jnp.where(valid, table[index, jnp.minimum(positions // size, n - 1)], pages.trash)
+    write_offset = jnp.where(valid, positions % size, 0)
+
+    def put(page: jax.Array, new: jax.Array) -> jax.Array:
+        return page.at[write_page, write_offset].set(new.astype(page.dtype))
+
+    return PagedKV(k=tuple(map(put, pages.k, keys)), v=tuple(map(put, pages.v, values)))
+
+
 def scatter_rows(
     pages: PagedKV, rows: PagedKV, table: jax.Array, positions: jax.Array, valid: jax.Array
 ) -> PagedKV:
     """Write back the keys/values of `rows` (as `gather_rows` makes them) at `positions`
     [B, C] where `valid`, into their pages (the rest to the trash page)."""
-    size, n = pages.page_size, table.shape[1]
     index = jnp.arange(table.shape[0])[:, None]
-    write_page = jnp.where(valid, table[index, jnp.minimum(positions // size, n - 1)], pages.trash)
-    write_offset = jnp.where(valid, positions % size, 0)
-    at = jnp.minimum(positions, n * size - 1)
+    at = jnp.minimum(positions, table.shape[1] * pages.page_size - 1)
+    return scatter_tokens(
+        pages,
+        (a[index, at] for a in rows.k),
+        (a[index, at] for a in rows.v),
+        table,
+        positions,
+        valid,
+    )
 
-    def put(page: jax.Array, row: jax.Array) -> jax.Array:
-        return page.at[write_page, write_offset].set(row[index, at])
 
-    return PagedKV(k=tuple(map(put, pages.k, rows.k)), v=tuple(map(put, pages.v, rows.v)))
+def gather_rows_split(pages: PagedKV, table: jax.Array) -> PagedKV:
+    """`gather_rows` in the per-layer cache layout of the feature-major decode step
+    (`tpu_jobs.model.transformer.decode_attention`): keys [B, kv, hd, L], values [B, kv,
+    L, hd]. Transposed once per chunk, so that no step transposes the rows' cache
+    (attention over the [B, L, kv, hd] copy transposed it at every step of every layer);
+    the chunk only reads it."""
+    rows = gather_rows(pages, table)
+    return PagedKV(
+        k=tuple(a.transpose(0, 2, 3, 1) for a in rows.k),
+        v=tuple(a.transpose(0, 2, 1, 3) for a in rows.v),
+    )
 
 
 @dataclass(frozen=True)

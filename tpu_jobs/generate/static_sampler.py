@@ -39,7 +39,7 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from pipeline.rollouts import routing_dtype
-from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS, DecodeLayout, default_layout
+from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS, DecodeLayout, resolve_layout
 from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
 from tpu_jobs.generate.token_draw import NOISE_BUDGET, as_keys, sample_step, step_noise
 from tpu_jobs.generate.weight_copies import cast_state, same_arrays
@@ -232,14 +232,7 @@ class StaticSampler:
         ):
             if not buckets or any(int(b) <= 0 for b in buckets):
                 raise ValueError(f"{name}={buckets!r} is invalid; allowed: positive integers")
-        if decode_layout is None:
-            device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
-            decode_layout = default_layout(device.platform, cfg.hidden_size, moe=cfg.moe)
-        if decode_layout not in DECODE_LAYOUTS:
-            raise ValueError(
-                f"decode_layout={decode_layout!r} is invalid; allowed: "
-                + ", ".join(map(repr, DECODE_LAYOUTS))
-            )
+        decode_layout = resolve_layout(decode_layout, cfg, mesh)
         self.decode_layout = decode_layout
         self._layout = DECODE_LAYOUTS[decode_layout]
         self.cfg = cfg

@@ -345,7 +345,7 @@ class Attention(nnx.Module):
         vt = v.transpose(0, 2, 1, 3).astype(v_cache.dtype)  # [B, kv, T, hd]
         v_cache = jax.lax.dynamic_update_slice(v_cache, vt, (zero, zero, slot, zero))
         if t == 1:
-            return self._decode_attend(q, visible, k_cache, v_cache), (k_cache, v_cache)
+            return self.decode_attend(q, visible, k_cache, v_cache), (k_cache, v_cache)
         # Plain batched matmuls over (B, kv) with rows (g, T): XLA:CPU runs them as library
         # matmuls on the cache buffers in place. Only the slots that can be visible are
         # read (a prefill from slot 0 sees its own T, not the whole cache: at 64 x (256 +
@@ -363,21 +363,36 @@ class Attention(nnx.Module):
         out = out.reshape(b, nkv, g, t, hd).transpose(0, 3, 1, 2, 4)  # [B, T, kv, g, hd]
         return out.reshape(b, t, self.num_heads * hd), (k_cache, v_cache)
 
-    def _decode_attend(self, q, visible, k_cache, v_cache):
+    def decode_attend(self, q, visible, k_cache, v_cache):
         """One query token per row (decode): scores and outputs as broadcast products reduced
         over head_dim / slots, which XLA fuses into two loops over the cache. Decode
         attention is bound by reading the cache, and B x kv matmuls of g rows each cost
         ~1.5x as much on XLA:CPU (benchmarks/results/sampler_vs_hf.md). Returns
-        [B, 1, heads*hd] before o_proj."""
-        b, _, _, hd = q.shape
-        nkv, g = self.num_kv_heads, self.num_heads // self.num_kv_heads
-        qf = q.reshape(b, nkv, g, hd, 1).astype(jnp.float32)
-        scores = jnp.sum(qf * k_cache[:, :, None].astype(jnp.float32), axis=3)  # [B, kv, g, S]
-        scores = scores / math.sqrt(hd)
-        scores = jnp.where(visible[:, :, None], scores, _MASKED)  # visible: [B, 1, S]
-        probs = jax.nn.softmax(scores, axis=-1)[..., None]  # [B, kv, g, S, 1]
-        out = jnp.sum(probs * v_cache[:, :, None].astype(jnp.float32), axis=3)  # [B, kv, g, hd]
-        return out.astype(q.dtype).reshape(b, 1, self.num_heads * hd)
+        [B, 1, heads*hd] before o_proj. q [B, 1, heads, hd]; visible [B, 1, S]; the caches
+        in the per-layer layout (k [B, kv, hd, S], v [B, kv, S, hd]), the new key written."""
+        return decode_attention(q, self.num_kv_heads, [(k_cache, v_cache, visible[:, :, None])])
+
+
+def decode_attention(q: jax.Array, num_kv_heads: int, parts) -> jax.Array:
+    """`Attention.decode_attend` over keys held in several parts, one softmax over all:
+    `parts` [(k [B, kv, hd, S_i], v [B, kv, S_i, hd], visible broadcastable to [B, kv, g,
+    S_i])]. The engine's feature-major decode reads the rows' cache before the chunk and
+    the chunk's own new keys as two parts, so no step writes into the (large) cache copy.
+    Returns [B, 1, heads * hd]."""
+    b, _, heads, hd = q.shape
+    qf = q.reshape(b, num_kv_heads, heads // num_kv_heads, hd, 1).astype(jnp.float32)
+    scores = []
+    for k, _, visible in parts:
+        part = jnp.sum(qf * k[:, :, None].astype(jnp.float32), axis=3)  # [B, kv, g, S_i]
+        scores.append(jnp.where(visible, part / math.sqrt(hd), _MASKED))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)[..., None]
+    out, at = 0.0, 0
+    for (_, v, _), part in zip(parts, scores, strict=True):
+        n = part.shape[-1]
+        p = probs[..., at : at + n, :]  # [B, kv, g, S_i, 1]
+        out = out + jnp.sum(p * v[:, :, None].astype(jnp.float32), axis=3)  # [B, kv, g, hd]
+        at += n
+    return out.astype(q.dtype).reshape(b, 1, heads * hd)
 
 
 def _dense_attention(q, k, v, visible) -> jax.Array:
