@@ -25,8 +25,8 @@ How a call runs (`Engine.run`; `Engine.generate` is the static sampler's interfa
   `ROW_STEPS`): on CPU from hidden size 256, feature_major (q/k/v and gate/up fused,
   the batch the matmuls' minor dimension; the copy in the per-layer cache layout, read
   only, and the chunk's own keys in a small array of their own), else the model's own
-  forward over the copy. At the 100m preset on 2 CPU cores the feature-major chunk is
-  ~1.6x faster (benchmarks/results/engine.md).
+  forward over the copy. At the 100m preset on 2 CPU cores a 64-row feature-major
+  chunk takes about half the time (benchmarks/results/engine.md's profile).
 * Pages are allocated as rows grow. When the pool (the token budget) runs out, the
   most recently admitted row is preempted: its pages are freed and it is queued again
   with its whole history, to be prefilled when pages are free (recompute, as vLLM
