@@ -39,7 +39,7 @@ Token layout and masking follow docs/CONVENTIONS.md: positions are
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import jax
@@ -373,7 +373,9 @@ class Attention(nnx.Module):
         return decode_attention(q, self.num_kv_heads, [(k_cache, v_cache, visible[:, :, None])])
 
 
-def decode_attention(q: jax.Array, num_kv_heads: int, parts) -> jax.Array:
+def decode_attention(
+    q: jax.Array, num_kv_heads: int, parts: Sequence[tuple[jax.Array, jax.Array, jax.Array]]
+) -> jax.Array:
     """`Attention.decode_attend` over keys held in several parts, one softmax over all:
     `parts` [(k [B, kv, hd, S_i], v [B, kv, S_i, hd], visible broadcastable to [B, kv, g,
     S_i])]. The engine's feature-major decode reads the rows' cache before the chunk and
