@@ -34,7 +34,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from tpu_jobs.generate.weight_copies import cast_state
 from tpu_jobs.model.transformer import (
     DTYPES,
     KVCache,
@@ -118,19 +120,18 @@ def feature_major_logits(
     model: Transformer,
     weights: dict[str, Any],
     token: jax.Array,
-    cos: jax.Array,
-    sin: jax.Array,
+    pos: jax.Array,
     dtype: str,
     attend: Callable[[int, Any, jax.Array, jax.Array, jax.Array], jax.Array],
 ) -> jax.Array:
-    """Float32 logits [B, V] of one token per row through the feature-major layers
-    (`_feature_major_prepare`'s weights); RoPE tables cos/sin of the rows' positions [B, 1,
-    ...]. `attend(layer index, the layer's Attention, q [B, 1, heads, hd], k, v [B, 1, kv,
+    """Float32 logits [B, V] of one token per row, at positions `pos` [B], through the
+    feature-major layers (`_feature_major_prepare`'s weights). `attend(layer index, the layer's Attention, q [B, 1, heads, hd], k, v [B, 1, kv,
     hd])` writes k/v to the caller's cache and returns [B, 1, heads * hd] before o_proj:
     the static sampler's cache (one slot for every row) or the engine's rows (one position
     per row)."""
     cfg = model.cfg
     b, eps = token.shape[0], cfg.rms_norm_eps
+    cos, sin = rope_tables(pos[:, None], cfg.head_dim, cfg.rope_theta)
     x = jnp.take(model.embed_tokens.embedding[...], token, axis=0).astype(DTYPES[dtype]).T
     for i, (layer, w) in enumerate(zip(model.layers, weights["layers"], strict=True)):
         att = layer.self_attn
@@ -154,7 +155,6 @@ def feature_major_logits(
 
 
 def _feature_major_step(model, weights, token, pos, cache, slot, dtype):
-    cos, sin = rope_tables(pos[:, None], model.cfg.head_dim, model.cfg.rope_theta)
     key_mask = jax.lax.dynamic_update_slice(
         cache.mask, jnp.ones_like(token)[:, None], (jnp.int32(0), slot)
     )
@@ -165,8 +165,17 @@ def _feature_major_step(model, weights, token, pos, cache, slot, dtype):
         out, (k_all[i], v_all[i]) = att.attend(q, k, v, visible, (k_all[i], v_all[i], None, slot))
         return out
 
-    logits = feature_major_logits(model, weights, token, cos, sin, dtype, attend)
+    logits = feature_major_logits(model, weights, token, pos, dtype, attend)
     return logits, KVCache(k=tuple(k_all), v=tuple(v_all), mask=key_mask)
+
+
+def prepare_state(graphdef: nnx.GraphDef, state: nnx.State, *, layout: DecodeLayout, dtype: str):
+    """(the state in the compute dtype, or None when it is float32 already; the decode
+    layout's weights (tpu_jobs.generate.decode_layouts) in that dtype). The cast state is made once per
+    weight version and passed to the generate programs, so a bf16 program holds bf16
+    weights only, not float32 ones plus a bf16 copy made inside every call."""
+    cast = cast_state(state, dtype)
+    return (None if dtype == "float32" else cast), layout.prepare(nnx.merge(graphdef, cast))
 
 
 # --------------------------------------------------------------------------- registry

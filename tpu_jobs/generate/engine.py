@@ -58,7 +58,12 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from pipeline.rollouts import routing_dtype
-from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS, feature_major_logits, resolve_layout
+from tpu_jobs.generate.decode_layouts import (
+    DECODE_LAYOUTS,
+    feature_major_logits,
+    prepare_state,
+    resolve_layout,
+)
 from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
 from tpu_jobs.generate.kv_pages import (
     PAGED_ATTENTION,
@@ -76,7 +81,7 @@ from tpu_jobs.generate.kv_pages import (
     scatter_tokens,
 )
 from tpu_jobs.generate.token_draw import NOISE_BUDGET, as_keys, key_data, sample_step
-from tpu_jobs.generate.weight_copies import cast_state, same_arrays
+from tpu_jobs.generate.weight_copies import same_arrays
 from tpu_jobs.model import mesh as meshlib
 from tpu_jobs.model.batching import DEFAULT_PROMPT_BUCKETS, bucket
 from tpu_jobs.model.transformer import DTYPES, Transformer, decode_attention, rope_tables
@@ -331,7 +336,6 @@ def _feature_major_step(model, weights, old, new, token, pos, start, c, dtype):
     one softmax over both. A step writes one column of the small per-chunk arrays (the
     same column for every row) instead of a row-indexed scatter into the cache copy,
     which cost about as much as the attention itself (100m preset, 64 rows)."""
-    cos, sin = rope_tables(pos[:, None], model.cfg.head_dim, model.cfg.rope_theta)
     ks, vs = list(new.k), list(new.v)
     seen = jnp.arange(old.k[0].shape[-1], dtype=jnp.int32)[None, :] < start[:, None]
     mine = jnp.arange(ks[0].shape[-1], dtype=jnp.int32) <= c
@@ -342,7 +346,7 @@ def _feature_major_step(model, weights, old, new, token, pos, start, c, dtype):
         parts = [(old.k[i], old.v[i], seen[:, None, None]), (ks[i], vs[i], mine)]
         return decode_attention(q, att.num_kv_heads, parts)
 
-    logits = feature_major_logits(model, weights, token, cos, sin, dtype, attend)
+    logits = feature_major_logits(model, weights, token, pos, dtype, attend)
     return logits, PagedKV(k=tuple(ks), v=tuple(vs)), None
 
 
@@ -576,10 +580,16 @@ class Engine:
         self._weights = None
         if self.mesh is not None:
             state = meshlib.shard_tree(state, self.mesh)
-        if dtype != "float32":
-            state = jax.jit(functools.partial(cast_state, dtype=dtype))(state)
-        prepare = DECODE_LAYOUTS[self.decode_layout].prepare
-        weights = jax.jit(lambda s: prepare(nnx.merge(graphdef, s)))(state)
+        # One program per (model, layout, dtype), kept across weight versions: a new jit
+        # per version would trace and compile it again at every version.
+        key = ("prepare_state", graphdef, self.mesh, self.decode_layout, dtype)
+        if key not in _PROGRAMS:
+            layout = DECODE_LAYOUTS[self.decode_layout]
+            _PROGRAMS[key] = jax.jit(
+                functools.partial(prepare_state, graphdef, layout=layout, dtype=dtype)
+            )
+        cast, weights = _PROGRAMS[key](state)
+        state = state if cast is None else cast
         self._weights = (dtype, given, graphdef, state, weights)
         return graphdef, state, weights
 

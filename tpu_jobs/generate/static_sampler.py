@@ -39,7 +39,12 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from pipeline.rollouts import routing_dtype
-from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS, DecodeLayout, resolve_layout
+from tpu_jobs.generate.decode_layouts import (
+    DECODE_LAYOUTS,
+    DecodeLayout,
+    prepare_state,
+    resolve_layout,
+)
 from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
 from tpu_jobs.generate.token_draw import NOISE_BUDGET, as_keys, sample_step, step_noise
 from tpu_jobs.generate.weight_copies import cast_state, same_arrays
@@ -82,15 +87,6 @@ def _moe_step(model, weights, token, pos, cache, slot, dtype):
         token[:, None], pos[:, None], ones, cache, slot, dtype=dtype
     )
     return model.logits(hidden[:, 0]), cache, router.experts
-
-
-def _prepare(graphdef: nnx.GraphDef, state: nnx.State, *, layout: DecodeLayout, dtype: str):
-    """(the state in the compute dtype, or None when it is float32 already; the decode
-    layout's weights (tpu_jobs.generate.decode_layouts) in that dtype). The cast state is made once per
-    weight version and passed to the generate programs, so a bf16 program holds bf16
-    weights only, not float32 ones plus a bf16 copy made inside every call."""
-    cast = cast_state(state, dtype)
-    return (None if dtype == "float32" else cast), layout.prepare(nnx.merge(graphdef, cast))
 
 
 def _generate(
@@ -306,7 +302,7 @@ class StaticSampler:
         jax.block_until_ready(self._prepared_weights(*self._split(model), dtype))
 
     def _prepared_weights(self, graphdef, state, given: list, dtype: str):
-        """(`_prepare`'s cast state, the decode layout's weights) for `state`, recomputed
+        """(`prepare_state`'s cast state, the decode layout's weights) for `state`, recomputed
         only when the weights change (new arrays: a new version loaded, or another model)
         or the dtype does. For feature_major that is a transposed copy of every kernel
         (~0.3 s for 75M parameters on 2 cores), too slow to repeat for every batch of one
@@ -317,7 +313,9 @@ class StaticSampler:
         self._prepared = None  # free the old weights first
         fn = self._prepare_fns.get((graphdef, dtype))
         if fn is None:
-            fn = jax.jit(functools.partial(_prepare, graphdef, layout=self._layout, dtype=dtype))
+            fn = jax.jit(
+                functools.partial(prepare_state, graphdef, layout=self._layout, dtype=dtype)
+            )
             self._prepare_fns[(graphdef, dtype)] = fn
         weights = fn(state)
         self._prepared = (dtype, given, weights)
@@ -346,7 +344,7 @@ class StaticSampler:
     def abstract_weights(self, graphdef: nnx.GraphDef, state: nnx.State, dtype: str):
         """The shapes of (the state, the decode layout's weights) a generate program of
         `dtype` takes for `state` (no computation)."""
-        fn = functools.partial(_prepare, graphdef, layout=self._layout, dtype=dtype)
+        fn = functools.partial(prepare_state, graphdef, layout=self._layout, dtype=dtype)
         cast, weights = jax.eval_shape(fn, state)
         return (state if cast is None else cast), weights
 
