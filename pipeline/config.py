@@ -623,9 +623,21 @@ class RolloutConfig:
     # (in the sandbox, for math and code) while the next call generates. Keys are per row,
     # so the batch is the same for any value; only the overlap changes.
     sample_chunks: int = 1
+    # Batches a worker holds in flight (sampler.engine jax): with more than 1, the next
+    # claimed batch pinned to the same version is admitted into the engine as the current
+    # batch's rows finish, and each batch is committed once its own rows are done. Opt-in:
+    # a row's log-probs then change in the last bits with the rows it shares a program
+    # with, so batches are no longer bit-reproducible (docs/reproducibility.md).
+    inflight_batches: int = 1
 
     def __post_init__(self) -> None:
         _check(self.sample_chunks >= 1, "rollout.sample_chunks", self.sample_chunks, ">= 1")
+        _check(
+            self.inflight_batches >= 1,
+            "rollout.inflight_batches",
+            self.inflight_batches,
+            ">= 1 (1: one batch at a time, bit-reproducible)",
+        )
         _check(
             self.prompts_per_batch > 0, "rollout.prompts_per_batch", self.prompts_per_batch, "> 0"
         )
@@ -766,6 +778,8 @@ class RunConfig:
                 self.rollout.judge_fraction,
                 f"0 with environment.name={env.name!r} (judging tool episodes is not built)",
             )
+        if self.rollout.inflight_batches > 1:
+            self._check_inflight()
         axis = piece_axis(self.mesh.sampler)
         size = axis_size(self.mesh.sampler, axis)
         parts = self.paramserver.tensor_parts
@@ -813,6 +827,30 @@ class RunConfig:
                 + ") with model.num_experts > 0: "
                 "the experts and the router carry no adapters",
             )  # fmt: skip
+
+    def _check_inflight(self) -> None:
+        """In-flight batches stream a batch's rows through the engine and score them when
+        they are done: one sampler call per batch, nothing that waits on a batch's
+        rewards before its last row is sampled."""
+        tc, rc = self.trainer, self.rollout
+        refused = (  # (field, its value, whether it rules in-flight out, what is allowed)
+            ("sampler.engine", self.sampler.engine, self.sampler.engine != "jax",
+             "'jax' (the continuous-batching engine admits the next batch's rows)"),
+            ("environment.name", self.environment.name, self.environment.multi_turn,
+             "a single-turn environment (tool episodes run turn by turn)"),
+            ("rollout.judge_fraction", rc.judge_fraction, rc.judge_fraction > 0,
+             "0 (judge groups judge the batch's own sampled solutions)"),
+            ("trainer.dynamic_sampling", tc.uses_dynamic_sampling(), tc.uses_dynamic_sampling(),
+             "false (a batch's later rounds wait on its first round's rewards)"),
+            ("rollout.sample_chunks", rc.sample_chunks, rc.sample_chunks > 1,
+             "1 (in-flight batches already overlap scoring with decoding)"),
+        )  # fmt: skip
+        for name, value, bad, allowed in refused:
+            if bad:
+                raise ConfigError(
+                    f"rollout.inflight_batches={rc.inflight_batches} cannot be used with "
+                    f"{name}={value!r}; allowed: {allowed}, or rollout.inflight_batches: 1"
+                )
 
     def _check_vllm(self) -> None:
         """vLLM samples with its own kernels, so its log-probs differ from the trainer's

@@ -54,19 +54,21 @@ import numpy as np
 
 from pipeline import failpoints
 from pipeline.environments import make_environment
-from pipeline.leases import BatchLeases
+from pipeline.leases import BatchLeases, Lease
 from pipeline.metrics import tool_use_stats
 from pipeline.paramserver import CorruptSnapshotError, SnapshotNotFoundError
 from pipeline.problem_sets import check_representable
 from pipeline.rollouts import RolloutBatch, required_version, routing_dtype, to_parquet_bytes
 from pipeline.run import DONE_KEY, Run, policy_reader
 from pipeline.schedule import batch_problem_indices
+from pipeline.tasks.base import Problem
 from pipeline.tasks.judge import judge_context, judge_reward
 from tpu_jobs.generate.episodes import sample_rows
 from tpu_jobs.generate.interface import sampling_params
 from tpu_jobs.generate.policy import load_policy
-from tpu_jobs.generate.sample_verify import JUDGE_STREAM, ROLLOUT_STREAM, sample_keys
+from tpu_jobs.generate.sample_verify import JUDGE_STREAM, ROLLOUT_STREAM, Scored, sample_keys
 from tpu_jobs.generate.teacher import TeacherScorer
+from tpu_jobs.inflight_rollouts import InflightRollouts
 from tpu_jobs.learning.losses import filter_constant_groups, overlong_penalty
 from tpu_jobs.model.judge import suffix_ids
 
@@ -179,10 +181,10 @@ class RolloutWorker:
         self.version = version
         return True
 
-    def _generate_round(self, index: int, rnd: int) -> dict[str, Any]:
-        """Round `rnd` of batch `index`: G samples for each of the P solve-group candidate
-        slots rnd * P .. rnd * P + P - 1 (P = prompts_per_batch minus the judge groups),
-        scored (and overlong-shaped; "verified" keeps the verifier's own rewards)."""
+    def round_inputs(self, index: int, rnd: int) -> tuple[list[Problem], list[Problem], jax.Array]:
+        """Round `rnd` of batch `index`: its P problems (the solve-group candidate slots
+        rnd * P .. rnd * P + P - 1, P = prompts_per_batch minus the judge groups), its
+        G rows per problem, and one key per row."""
         cfg, tc = self.cfg, self.cfg.trainer
         g, p = cfg.rollout.group_size, cfg.rollout.solve_groups()
         rounds = tc.dynamic_sampling_rounds if tc.uses_dynamic_sampling() else 1
@@ -191,7 +193,12 @@ class RolloutWorker:
         idx = batch_problem_indices(index * rounds + rnd, p, len(self.problems), cfg.seed)
         problems = [self.problems[i] for i in idx]
         rows = [q for q in problems for _ in range(g)]
-        keys = sample_keys(cfg.seed, ROLLOUT_STREAM, index, rnd * p, p, g)
+        return problems, rows, sample_keys(cfg.seed, ROLLOUT_STREAM, index, rnd * p, p, g)
+
+    def _generate_round(self, index: int, rnd: int) -> dict[str, Any]:
+        """Round `rnd` of batch `index` (`round_inputs`), sampled and scored."""
+        cfg = self.cfg
+        problems, rows, keys = self.round_inputs(index, rnd)
         scored = sample_rows(  # tool episodes when the run sets an environment
             self.sampler,
             self.model,
@@ -201,12 +208,17 @@ class RolloutWorker:
             keys,
             sampling_params(cfg, "rollout"),
             env=self.env,
-            batch_size=-(-p * g // cfg.rollout.sample_chunks),
+            batch_size=-(-len(rows) // cfg.rollout.sample_chunks),
         )
-        completions, texts, logps = scored.completion_ids, scored.texts, scored.logprobs
+        return self.scored_round(rnd, problems, scored)
+
+    def scored_round(self, rnd: int, problems: list[Problem], scored: Scored) -> dict[str, Any]:
+        """A round's sampled and verified rows as `generate_batch` assembles them (the
+        rewards overlong-shaped; "verified" keeps the verifier's own)."""
+        tc, p = self.cfg.trainer, len(problems)
         rewards = scored.rewards
         verified = rewards.copy()
-        longest = cfg.completion_tokens()
+        longest = self.cfg.completion_tokens()
         cache = tc.overlong_cache(longest)
         if cache > 0:  # DAPO soft overlong punishment, added to the verifier's reward
             pen = overlong_penalty(scored.lengths, longest, cache)
@@ -216,9 +228,9 @@ class RolloutWorker:
             "problems": problems,
             "slots": np.arange(p) + rnd * p,
             "prompts": scored.prompt_ids,
-            "completions": completions,
-            "texts": texts,
-            "logps": logps,
+            "completions": scored.completion_ids,
+            "texts": scored.texts,
+            "logps": scored.logprobs,
             "rewards": rewards,
             "verified": verified,
             "finished": scored.finished,
@@ -283,18 +295,28 @@ class RolloutWorker:
         dynamic = tc.uses_dynamic_sampling()
         rounds = tc.dynamic_sampling_rounds if dynamic else 1
         parts: list[tuple[dict[str, Any], np.ndarray]] = []
-        kept = seen = 0
+        kept = 0
         for rnd in range(rounds):
             r = self._generate_round(index, rnd)
             keep = filter_constant_groups(r["rewards"], g) if dynamic else np.ones(p, bool)
-            seen += p
             take = np.flatnonzero(keep)[: p - kept]
             parts.append((r, take))
             kept += len(take)
             if kept >= p:
                 break
+        return self.assemble(index, version, parts)
+
+    def assemble(
+        self, index: int, version: int, parts: list[tuple[dict[str, Any], np.ndarray]]
+    ) -> RolloutBatch:
+        """Batch `index` of version `version` from its scored rounds (`scored_round`), each
+        with the groups it keeps, plus its judge groups and teacher scores; sets
+        `last_stats`."""
+        cfg = self.cfg
+        g, p = cfg.rollout.group_size, cfg.rollout.solve_groups()
+        kept = sum(len(take) for _, take in parts)
         self.last_stats = {
-            "ds_candidates": seen,
+            "ds_candidates": p * len(parts),
             "ds_kept": kept,
             "ds_rounds": len(parts),
             # Time in the verifiers, and the part of it generation did not hide (the
@@ -392,53 +414,60 @@ class RolloutWorker:
         return np.full(size, m.num_experts, routing_dtype(m.num_experts))
 
     def run_forever(self) -> int:
-        tc = self.cfg.trainer
-        idle = 0.0
         while not self._stop:
             if self.run.store.exists(DONE_KEY):
                 break
-            latest = self.ps.latest_version()
-            if latest is None:
-                time.sleep(self.cfg.rollout.poll_seconds)
-                continue
-            # Batches whose pinned version is already published.
-            limit = min(
-                tc.steps + self._dropped(), (latest + tc.max_staleness + 1) * tc.publish_every
-            )
-            lease = self.leases.claim_next(0, self.worker_id, latest, limit=limit)
+            lease = self.claim()
             if lease is None:
                 time.sleep(self.cfg.rollout.poll_seconds)
-                idle += self.cfg.rollout.poll_seconds
                 continue
-            idle = 0.0
-            index = lease.index
-            version = required_version(index, tc.publish_every, tc.max_staleness)
-            lease = self.leases.renew(lease, version=version)  # retention protects it
             t0 = time.time()
-            if not self._ensure_version(version):
+            if not self._ensure_version(lease.version):
                 self.leases.release(lease)
-                self._wait_for_repair(version)
+                self._wait_for_repair(lease.version)
                 continue
-            batch = self.generate_batch(index, version)
-            failpoints.hit("rollout.before_commit", index)
-            committed = self.leases.commit_batch(index, to_parquet_bytes(batch))
-            self.leases.release(lease)
-            self.batches_done += committed
-            dt = time.time() - t0
-            self._record_attempt(batch, committed, dt)
-            reward = float(batch.reward.mean()) if len(batch) else float("nan")
-            self.log(
-                f"[{self.worker_id}] batch {index} v{version} reward {reward:.3f} "
-                f"{len(batch) // self.cfg.rollout.group_size} groups "
-                + (
-                    f"(judge reward {self.last_stats['judge_reward_mean']:.3f}) "
-                    if "judge_reward_mean" in self.last_stats
-                    else ""
-                )
-                + f"{batch.num_tokens() / dt:,.0f} tok/s"
-                + ("" if committed else " (already committed by another worker; discarded)")
-            )
+            if self.cfg.rollout.inflight_batches > 1:
+                InflightRollouts(self, lease, t0).run()
+                continue
+            self.commit(lease, self.generate_batch(lease.index, lease.version), t0)
         return self.batches_done
+
+    def claim(self) -> Lease | None:
+        """The lease of the lowest batch no one holds whose pinned version is published
+        (renewed with that version, which retention then protects); None if there is none."""
+        tc = self.cfg.trainer
+        latest = self.ps.latest_version()
+        if latest is None:
+            return None
+        limit = min(tc.steps + self._dropped(), (latest + tc.max_staleness + 1) * tc.publish_every)
+        lease = self.leases.claim_next(0, self.worker_id, latest, limit=limit)
+        if lease is None:
+            return None
+        version = required_version(lease.index, tc.publish_every, tc.max_staleness)
+        return self.leases.renew(lease, version=version)
+
+    def commit(self, lease: Lease, batch: RolloutBatch, began: float) -> None:
+        """Write `batch` (first writer wins), give its lease up, record and log the attempt;
+        `began`: when its lease was claimed (time.time())."""
+        index, version = batch.batch_index, batch.policy_version
+        failpoints.hit("rollout.before_commit", index)
+        committed = self.leases.commit_batch(index, to_parquet_bytes(batch))
+        self.leases.release(lease)
+        self.batches_done += committed
+        dt = time.time() - began
+        self._record_attempt(batch, committed, dt)
+        reward = float(batch.reward.mean()) if len(batch) else float("nan")
+        self.log(
+            f"[{self.worker_id}] batch {index} v{version} reward {reward:.3f} "
+            f"{len(batch) // self.cfg.rollout.group_size} groups "
+            + (
+                f"(judge reward {self.last_stats['judge_reward_mean']:.3f}) "
+                if "judge_reward_mean" in self.last_stats
+                else ""
+            )
+            + f"{batch.num_tokens() / dt:,.0f} tok/s"
+            + ("" if committed else " (already committed by another worker; discarded)")
+        )
 
     def _backoff_s(self) -> float:
         """How long to wait after the latest refusal: doubling with each refusal of the

@@ -17,6 +17,7 @@ from pipeline.ops.chaos import (
     run_with_chaos,
     teachers_equal,
 )
+from pipeline.rollouts import batch_key, from_parquet_bytes
 from pipeline.run import DONE_KEY
 from tests.runs import assert_bit_identical, clone_run, final_tensors, start, wait_all
 
@@ -108,11 +109,11 @@ def test_worker_sigkill_mid_batch(reference, tmp_path):
     assert_bit_identical(final_tensors(reference)[1], final_tensors(run)[1])
 
 
-def _small_chaos(reference, run, failpoints: str = "") -> dict:
+def _small_chaos(reference, run, failpoints: str = "", bits: bool = True) -> dict:
     """Four kills on `run` (and `failpoints` armed in each process until it hits one); it must
     end bit-identical to `reference` (final parameters, every batch, the teacher's pin and
-    copy), every batch produced once and consumed, the recovery really tested. Returns the
-    harness's account of the run."""
+    copy; `bits` false: not required), every batch produced once and consumed, the recovery
+    really tested. Returns the harness's account of the run."""
     settings = ChaosSettings(
         kills=4,
         min_interval_s=2.0,
@@ -120,13 +121,14 @@ def _small_chaos(reference, run, failpoints: str = "") -> dict:
         seed=3,
         timeout_s=400,
         failpoints=failpoints,
+        bit_identity=bits,
     )
     stats = run_with_chaos(run, settings, log=lambda m: None)
     result = account(run, stats)
     identical, why = final_params_equal(reference, run)
-    assert identical, why
+    assert identical or not bits, why
     identical, why = batches_equal(reference, run)
-    assert identical, why
+    assert identical or not bits, why
     identical, why = teachers_equal(reference, run)
     assert identical is not False, why
     assert result["batches_lost"] == 0 and result["batches_produced_twice"] == 0
@@ -174,6 +176,33 @@ def test_chaos_run_with_lora_ends_with_bit_identical_adapters(tiny_base, tmp_pat
     _small_chaos(reference, run)
     version, tensors = final_tensors(run)
     assert version == STEPS and tensors and all(map(is_adapter, tensors))
+
+
+@pytest.mark.slow
+def test_chaos_run_with_inflight_batches_loses_nothing_and_keeps_every_token(tiny_base, tmp_path):
+    """In-flight batches (2 per stream, 2 batches per version so that streams form): a
+    chaos run loses no batch and makes none twice, and every batch has the tokens and
+    rewards of the uninterrupted one-at-a-time reference, its log-probs within 1e-5 (their
+    last bits depend on the rows beside them, so they are not required to be identical).
+    ~3 CPU-minutes: `slow` lane (`pytest -m slow tests/tpu_jobs/test_preemption.py -k inflight`)."""
+    cfg = tiny_base.config
+    cfg = replace(cfg, trainer=replace(cfg.trainer, steps=STEPS, publish_every=2))
+    reference = clone_run(tiny_base, str(tmp_path / "reference"), cfg)
+    procs = {n: start(reference, n, tmp_path / "logs") for n in ("trainer", "w0", "w1")}
+    assert wait_all(procs, 240) == {"trainer": 0, "w0": 0, "w1": 0}
+    cfg = replace(cfg, rollout=replace(cfg.rollout, inflight_batches=2))
+    run = clone_run(tiny_base, str(tmp_path / "chaos"), cfg)
+    _small_chaos(reference, run, bits=False)
+    for index in range(STEPS):
+        got = from_parquet_bytes(run.store.read(batch_key(index)))
+        want = from_parquet_bytes(reference.store.read(batch_key(index)))
+        assert got.completion_ids == want.completion_ids, index
+        np.testing.assert_array_equal(got.reward, want.reward)
+        for a, b in zip(got.behaviour_logprobs, want.behaviour_logprobs, strict=True):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    attempts = [json.loads(run.store.read(k)) for k in run.store.list("metrics/rollout/")]
+    joined = [a["batch_index"] for a in attempts if a.get("stream_position", 0) >= 1]
+    assert joined, "no batch joined a running stream: the test did not test in-flight"
 
 
 @pytest.mark.slow

@@ -647,6 +647,12 @@ class Engine:
         done = self.run(
             model, [Request(p, data[i], max_new_tokens) for i, p in enumerate(prompts)], params
         )
+        return self.result(done, max_new_tokens)
+
+    def result(self, done: Sequence[Completion], max_new_tokens: int) -> SampleResult:
+        """Completions as the sampler interface returns them: padded to `max_new_tokens`
+        with the routing record of each row (MoE)."""
+        n = len(done)
         tokens = np.full((n, max_new_tokens), self.pad_id, np.int32)
         logprobs = np.zeros((n, max_new_tokens), np.float32)
         for i, c in enumerate(done):
@@ -670,12 +676,19 @@ class Engine:
 
     # ----------------------------------------------------------------- requests -> rows
 
-    def _seqs(self, requests: Sequence[Request | Resume], dtype: str) -> list[_Seq]:
-        """One _Seq per request (a Resume takes its parked one), once every request is
-        checked and the pool sized."""
+    def _seqs(
+        self, requests: Sequence[Request | Resume], params: SamplingParams, first: int = 0
+    ) -> list[_Seq]:
+        """One _Seq per request, numbered from `first` (a Resume takes its parked one),
+        once every request is checked and the pool sized."""
         needs = []
-        for i, r in enumerate(requests):
+        for i, r in enumerate(requests, first):
             _check_request(i, r, self.detokenize)
+            if r.max_new_tokens > params.max_new_tokens:
+                raise ValueError(
+                    f"request {i}: max_new_tokens={r.max_new_tokens} is invalid; allowed: "
+                    f"<= params.max_new_tokens={params.max_new_tokens}"
+                )
             base = (
                 len(r.prompt)
                 if isinstance(r, Request)
@@ -686,7 +699,7 @@ class Engine:
         if len(set(handles)) != len(handles):
             raise ValueError(f"a handle is resumed twice in one call: {sorted(handles)}")
         num_pages = self.num_pages
-        for i, need in enumerate(needs):
+        for i, need in enumerate(needs, first):
             if self._pages_for(need) + 1 > num_pages:
                 raise ValueError(
                     f"request {i} needs {need} tokens of KV cache (its history + "
@@ -694,9 +707,9 @@ class Engine:
                     f"tokens ({num_pages} pages of {self.page_size}, one kept for sharing); "
                     "raise kv_tokens or shorten the request"
                 )
-        self._ensure_pool(num_pages, dtype)
+        self._ensure_pool(num_pages, params.dtype)
         seqs = []
-        for i, r in enumerate(requests):
+        for i, r in enumerate(requests, first):
             stop = tuple(tuple(int(t) for t in s) for s in r.stop)
             if isinstance(r, Resume):
                 seq = self._parked.pop(r.handle)
@@ -738,27 +751,48 @@ class Engine:
             return []
         longest = max(r.max_new_tokens for r in requests)
         params = params or SamplingParams(max(longest, 1))
-        if longest > params.max_new_tokens:
-            i = next(i for i, r in enumerate(requests) if r.max_new_tokens == longest)
-            raise ValueError(
-                f"request {i}: max_new_tokens={longest} is invalid; allowed: <= "
-                f"params.max_new_tokens={params.max_new_tokens}"
-            )
-        temperature, top_k, top_p, dtype = (
-            params.temperature,
-            params.top_k,
-            params.top_p,
-            params.dtype,
-        )
-        seqs = self._seqs(requests, dtype)
-        graphdef, state, weights = self._state(model, dtype)
+        out: list[Completion | None] = [None] * len(requests)
+        fed = [False]
+
+        def feed() -> Sequence[Request | Resume]:
+            if fed[0]:
+                return ()
+            fed[0] = True
+            return requests
+
+        self.stream(model, params, feed, out.__setitem__)
+        return out  # type: ignore[return-value]  (every index was set by on_done)
+
+    def stream(
+        self,
+        model: Transformer,
+        params: SamplingParams,
+        feed: Callable[[], Sequence[Request | Resume]],
+        on_done: Callable[[int, Completion], None],
+    ) -> int:
+        """Serve requests as `feed` hands them over, until it hands none and every row is
+        done; returns how many were served.
+
+        `feed()` is called first, then whenever every request it gave is admitted and a
+        slot is free: what it returns joins the queue (an empty answer: nothing now; ask
+        again later). Requests are numbered in the order fed, from 0 over the whole call,
+        and `on_done(index, completion)` is called as each one finishes, while the others
+        decode: a caller can finish a whole group of its requests (a rollout batch)
+        before the rest (`rollout.inflight_batches`). A row's log-probs can change in the
+        last bits with the rows beside it (benchmarks/results/row_invariance.md)."""
+        self._ensure_pool(self.num_pages, params.dtype)
+        graphdef, state, weights = self._state(model, params.dtype)
         self._run = dict(
             graphdef=graphdef,
             state=state,
             weights=weights,
-            dtype=dtype,
-            sampling=(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p)),
-            flags=dict(use_top_k=top_k > 0, use_top_p=top_p < 1.0),
+            dtype=params.dtype,
+            sampling=(
+                jnp.float32(params.temperature),
+                jnp.int32(params.top_k),
+                jnp.float32(params.top_p),
+            ),
+            flags=dict(use_top_k=params.top_k > 0, use_top_p=params.top_p < 1.0),
             programs={},
         )
         began = time.perf_counter()
@@ -779,6 +813,39 @@ class Engine:
         self.chunk_shapes = Counter()
         self.pool.peak_in_use = self.pool.in_use
         queue: deque = deque()
+        slots: list[_Seq | None] = [None] * self.max_slots
+        admitted: list[_Seq] = []  # live rows in admission order (preemption: newest first)
+        served = 0
+        more = True  # whether feed may still hand over requests
+        try:
+            while True:
+                if more and not queue and None in slots:
+                    given = feed()
+                    if given:
+                        self._enqueue(self._seqs(given, params, served), queue)
+                        served += len(given)
+                    elif not admitted:
+                        more = False  # nothing live and nothing more: done
+                if not queue and not admitted:
+                    break
+                self._refill(queue, slots, admitted)
+                if not admitted:
+                    raise AssertionError("no row could be admitted although every request fits")
+                self._grow(queue, slots, admitted)
+                self._decode_chunk(slots, admitted, on_done)
+                if self.check:
+                    self._check_pool(queue, admitted)
+        except BaseException:
+            self._abandon(queue, admitted)
+            raise
+        self.stats["peak_pages"] = self.pool.peak_in_use
+        programs = self.stats["prefill_s"] + self.stats["admit_s"] + self.stats["decode_s"]
+        self.stats["host_s"] = time.perf_counter() - began - programs
+        return served
+
+    def _enqueue(self, seqs: list[_Seq], queue: deque) -> None:
+        """Queue one feed's rows: fresh requests with the same prompt as one group,
+        prefilled once (groups never span feeds: an earlier feed's group may be gone)."""
         groups: dict[tuple[int, ...], _Group] = {}
         for seq in seqs:
             if seq.cached == 0 and not seq.pages:
@@ -790,31 +857,13 @@ class Engine:
                 seq.group = groups[key]
             else:
                 queue.append(seq)
-        slots: list[_Seq | None] = [None] * self.max_slots
-        admitted: list[_Seq] = []  # live rows in admission order (preemption: newest first)
-        try:
-            while queue or admitted:
-                self._refill(queue, slots, admitted)
-                if not admitted:
-                    raise AssertionError("no row could be admitted although every request fits")
-                self._grow(queue, slots, admitted)
-                self._decode_chunk(slots, admitted)
-                if self.check:
-                    self._check_pool(queue, admitted)
-        except BaseException:
-            self._abandon(queue, admitted)
-            raise
-        self.stats["peak_pages"] = self.pool.peak_in_use
-        programs = self.stats["prefill_s"] + self.stats["admit_s"] + self.stats["decode_s"]
-        self.stats["host_s"] = time.perf_counter() - began - programs
-        out = [None] * len(seqs)
-        shape = (self.cfg.num_layers, self.cfg.num_experts_per_tok)
-        for seq in seqs:
-            routing = None
-            if self.cfg.moe:
-                routing = np.asarray(seq.routing, np.int32).reshape(-1, *shape)
-            out[seq.index] = Completion(seq.out, seq.logps, seq.reason, seq.handle, routing)
-        return out
+
+    def _completion(self, seq: _Seq) -> Completion:
+        routing = None
+        if self.cfg.moe:
+            shape = (self.cfg.num_layers, self.cfg.num_experts_per_tok)
+            routing = np.asarray(seq.routing, np.int32).reshape(-1, *shape)
+        return Completion(seq.out, seq.logps, seq.reason, seq.handle, routing)
 
     def _abandon(self, queue, admitted) -> None:
         """After an error: free every page this call holds (parked requests keep theirs)."""
@@ -1058,7 +1107,9 @@ class Engine:
         )
         return functools.partial(fn, run["state"], run["weights"])
 
-    def _decode_chunk(self, slots: list, admitted: list[_Seq]) -> None:
+    def _decode_chunk(
+        self, slots: list, admitted: list[_Seq], on_done: Callable[[int, Completion], None]
+    ) -> None:
         """One jitted chunk over the live rows, then retire the rows that stopped."""
         live = [s for s in slots if s is not None and s.reason is None]
         if live:
@@ -1111,3 +1162,4 @@ class Engine:
                 else:
                     self.pool.release(s.pages)
                     s.pages = []
+                on_done(s.index, self._completion(s))

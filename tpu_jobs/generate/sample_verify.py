@@ -21,7 +21,7 @@ import numpy as np
 
 from pipeline.tasks import get_task
 from pipeline.tasks.base import Problem
-from tpu_jobs.generate.interface import Sampler, SamplingParams
+from tpu_jobs.generate.interface import Sampler, SampleResult, SamplingParams
 
 # Domain separators of the key streams (one per job that samples).
 ROLLOUT_STREAM = 0x0A11  # rollout batches
@@ -105,6 +105,36 @@ def _timed_verify(problems: Sequence[Problem], texts: Sequence[str]) -> tuple[li
     return verify_rows(problems, texts), time.perf_counter() - start
 
 
+def decode_rows(
+    tok: Any, out: SampleResult
+) -> tuple[list[list[int]], list[str], list[list[float]]]:
+    """A sampler call's rows as lists: each row's completion ids, text and log-probs."""
+    ids = [out.tokens[r, :n].tolist() for r, n in enumerate(out.lengths.tolist())]
+    logps = [out.logprobs[r, :n].tolist() for r, n in enumerate(out.lengths.tolist())]
+    return ids, [tok.decode(row) for row in ids], logps
+
+
+def score(
+    tok: Any, problems: Sequence[Problem], prompts: list[list[int]], out: SampleResult
+) -> Scored:
+    """One sampler call's rows (`out`, row r answering `problems[r]` after `prompts[r]`),
+    decoded and verified here (the caller's thread): what `sample_and_verify` returns for
+    them."""
+    ids, texts, logps = decode_rows(tok, out)
+    rewards, seconds = _timed_verify(problems, texts)
+    return Scored(
+        prompt_ids=prompts,
+        completion_ids=ids,
+        texts=texts,
+        logprobs=logps,
+        lengths=np.asarray(out.lengths, np.int32),
+        rewards=np.asarray(rewards, np.float32),
+        finished=np.asarray(out.finished, bool),
+        verify_s=seconds,
+        routing=out.routing,
+    )
+
+
 def sample_and_verify(
     sampler: Sampler,
     model: Any,
@@ -143,15 +173,11 @@ def sample_and_verify(
                 keys[start : start + len(chunk)],
                 params,
             )
-            chunk_texts = []
-            for r in range(len(chunk)):
-                n = int(out.lengths[r])
-                ids = out.tokens[r, :n].tolist()
-                chunk_texts.append(tok.decode(ids))
-                ids_out.append(ids)
-                logps.append(out.logprobs[r, :n].tolist())
-                lengths.append(n)
-                finished.append(bool(out.finished[r]))
+            chunk_ids, chunk_texts, chunk_logps = decode_rows(tok, out)
+            ids_out += chunk_ids
+            logps += chunk_logps
+            lengths += out.lengths.tolist()
+            finished += out.finished.tolist()
             # Every call of one sampler records or none does (a MoE model's static sampler).
             routing = None if out.routing is None or routing is None else routing + out.routing
             texts.extend(chunk_texts)

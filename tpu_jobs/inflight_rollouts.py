@@ -1,0 +1,188 @@
+"""In-flight rollout batches (`rollout.inflight_batches` > 1): a rollout worker's engine
+never waits on a batch's longest row.
+
+One batch at a time, the engine's slots empty as a batch's rows finish and sit idle until
+its longest row is done (on the long tail, most of a batch's wall time is that tail).
+Here the worker streams batches through one `Engine.stream` call instead:
+
+* the first claimed batch's rows are fed; as soon as they are all admitted and a slot is
+  free, the worker claims the next batch and feeds its rows, which enter as the current
+  batch's rows finish, as long as fewer than `inflight_batches` batches have rows in
+  the engine;
+* a batch whose rows are all done is scored (verified), assembled and committed on a
+  background thread while the engine decodes the next one;
+* only batches pinned to the weights the engine holds join the stream: the next batch
+  pinned to another version (`pipeline.rollouts.required_version`) is released and the
+  stream drains; the worker then pulls that version and starts a new one. With
+  `trainer.publish_every: 1` consecutive batches have their own versions, so streams
+  are short after the first `max_staleness + 1` batches: in-flight batches pay with
+  `publish_every` > 1 (benchmarks/results/loop.md).
+
+What it gives up (an explicit opt-in, as `sampler.engine: vllm`): a row's log-probs
+change in the last bits with the rows it shares a decode program with
+(benchmarks/results/row_invariance.md), and those now depend on timing, so a batch is no
+longer the same bytes whoever makes it and however often. Its prompts, keys, tokens in
+practice, and version are still its own; nothing is lost or made twice (leases and
+create-only commits as for one batch at a time).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pipeline.leases import Lease, LeaseLostError
+from pipeline.run import DONE_KEY
+from pipeline.tasks.base import Problem
+from tpu_jobs.generate.engine import Completion, Engine, Request
+from tpu_jobs.generate.interface import check_prompts, sampling_params
+from tpu_jobs.generate.sample_verify import score
+from tpu_jobs.generate.token_draw import key_data
+
+if TYPE_CHECKING:
+    from tpu_jobs.rollout_worker import RolloutWorker
+
+
+@dataclass
+class _Open:
+    """A batch with rows in the engine: its lease, when it was claimed, its problems and
+    prompts, and its rows' completions as they finish."""
+
+    lease: Lease
+    began: float
+    problems: list[Problem]
+    rows: list[Problem]
+    prompts: list[list[int]]
+    first: int  # the stream index of its row 0
+    position: int  # its place in the stream (0: the batch that started it)
+    done: list[Completion | None] = field(default_factory=list)
+    left: int = 0
+    renewed: float = 0.0
+
+
+class InflightRollouts:
+    """One stream of batches through the worker's engine, from `lease` (claimed at
+    `began`, its version already loaded) until no batch pinned to that version can be
+    claimed and every row is done. `run()` returns when every batch is committed."""
+
+    def __init__(self, worker: RolloutWorker, lease: Lease, began: float) -> None:
+        if not isinstance(worker.sampler, Engine):
+            raise TypeError(
+                f"rollout.inflight_batches > 1 needs the jax engine; the worker's sampler is "
+                f"{type(worker.sampler).__name__}"
+            )
+        self.w = worker
+        self.engine: Engine = worker.sampler
+        self.cfg = worker.cfg
+        self.version = lease.version
+        self.params = sampling_params(self.cfg, "rollout")
+        self.first = (lease, began)
+        self.open: dict[int, _Open] = {}  # batch index -> its open batch
+        self.by_row: list[int] = []  # stream index -> batch index
+        self.closed = False  # no more batches join this stream
+        self.batches = 0  # batches fed so far
+        self.tried = 0.0  # when the last claim was tried (time.monotonic)
+        self.commits: list[Future[None]] = []
+        self.committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="commit")
+
+    def run(self) -> None:
+        began = time.perf_counter()
+        try:
+            served = self.engine.stream(self.w.model, self.params, self._feed, self._done)
+            for future in self.commits:
+                future.result()  # a failed commit fails the worker (the lease lapses)
+        finally:
+            self.committer.shutdown(wait=True, cancel_futures=True)
+        stats = self.engine.stats
+        live = stats["live_row_steps"] / max(stats["decode_row_steps"], 1)
+        self.w.log(
+            f"[{self.w.worker_id}] {self.batches} batch(es) of v{self.version} in flight, "
+            f"{served} rows in {time.perf_counter() - began:.1f}s, {stats['sampled_tokens']:,} "
+            f"tokens, {live:.0%} of decode row-steps live"
+        )
+
+    # ----------------------------------------------------------------- engine callbacks
+
+    def _feed(self) -> list[Request]:
+        if self.first is not None:
+            lease, began = self.first
+            self.first = None
+            return self._open(lease, began)
+        self._renew()
+        if self.closed or len(self.open) >= self.cfg.rollout.inflight_batches:
+            return []
+        now = time.monotonic()
+        if now - self.tried < self.cfg.rollout.poll_seconds:
+            return []  # a claim scans the store's leases: at most one try per poll
+        self.tried = now
+        if self.w._stop or self.w.run.store.exists(DONE_KEY):
+            self.closed = True
+            return []
+        lease = self.w.claim()
+        if lease is None:
+            return []
+        if lease.version != self.version:
+            # Batches are pinned by index, so every later one needs that version too.
+            self.w.leases.release(lease)
+            self.closed = True
+            return []
+        return self._open(lease, time.time())
+
+    def _open(self, lease: Lease, began: float) -> list[Request]:
+        problems, rows, keys = self.w.round_inputs(lease.index, 0)
+        prompts = [self.w.tok.encode_prompt(p.prompt) for p in rows]
+        limit = self.params.max_new_tokens
+        check_prompts(prompts, limit, self.cfg.model.max_seq_len)
+        batch = _Open(
+            lease=lease,
+            began=began,
+            problems=problems,
+            rows=rows,
+            prompts=prompts,
+            first=len(self.by_row),
+            position=self.batches,
+            done=[None] * len(rows),
+            left=len(rows),
+            renewed=time.monotonic(),
+        )
+        self.open[lease.index] = batch
+        self.batches += 1
+        self.by_row += [lease.index] * len(rows)
+        data = key_data(keys)
+        return [Request(p, data[i], limit) for i, p in enumerate(prompts)]
+
+    def _done(self, row: int, completion: Completion) -> None:
+        batch = self.open[self.by_row[row]]
+        batch.done[row - batch.first] = completion
+        batch.left -= 1
+        if batch.left == 0:
+            del self.open[batch.lease.index]
+            self.commits.append(self.committer.submit(self._commit, batch))
+
+    def _renew(self) -> None:
+        """Keep the leases of batches waiting in the stream alive (a batch claimed early
+        waits for slots up to a batch's time)."""
+        ttl = self.w.leases.ttl_seconds
+        now = time.monotonic()
+        for batch in self.open.values():
+            if now - batch.renewed > ttl / 3:
+                try:
+                    batch.lease = self.w.leases.renew(batch.lease)
+                except LeaseLostError as err:  # another worker may make it; first commit wins
+                    self.w.log(f"[{self.w.worker_id}] batch {batch.lease.index}: {err}")
+                batch.renewed = now
+
+    # ----------------------------------------------------------------- commit thread
+
+    def _commit(self, batch: _Open) -> None:
+        result = self.engine.result(batch.done, self.params.max_new_tokens)
+        scored = score(self.w.tok, batch.rows, batch.prompts, result)
+        r = self.w.scored_round(0, batch.problems, scored)
+        parts = [(r, np.arange(len(batch.problems)))]
+        rollout = self.w.assemble(batch.lease.index, self.version, parts)
+        self.w.last_stats["stream_position"] = batch.position  # >= 1: it joined a stream
+        self.w.commit(batch.lease, rollout, batch.began)
