@@ -8,7 +8,7 @@ of 16 tokens, up to 512 new tokens, EOS on, an untrained model: lengths are long
 with its own prompts and keys. One at a time, the worker calls `Engine.run` per batch:
 the slots empty as the batch's rows finish and wait for its longest row. In flight, the
 next batch is fed as soon as the current one is admitted and a slot is free (the feed
-rule of `tpu_jobs.inflight_rollouts`), while fewer than `inflight_batches` batches have
+rule of `tpu_jobs.generate.inflight`), while fewer than `inflight_batches` batches have
 rows in the engine. What is measured is the engine's part of a worker (useful tokens
 per second, the live share of decode row-steps, each batch's latency from its feed to
 its last row); scoring and commits run beside it on a thread in the worker and are not
@@ -67,7 +67,7 @@ def one_at_a_time(engine: Engine, model, work: list[list[Request]], params) -> d
 
 
 def in_flight(engine: Engine, model, work: list[list[Request]], params, k: int) -> dict:
-    """One stream, fed as `tpu_jobs.inflight_rollouts` feeds it."""
+    """One stream, fed as `tpu_jobs.generate.inflight` feeds it."""
     size = len(work[0])
     todo = list(range(len(work)))
     left: dict[int, int] = {}  # batch -> rows not done

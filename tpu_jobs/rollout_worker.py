@@ -64,11 +64,11 @@ from pipeline.schedule import batch_problem_indices
 from pipeline.tasks.base import Problem
 from pipeline.tasks.judge import judge_context, judge_reward
 from tpu_jobs.generate.episodes import sample_rows
+from tpu_jobs.generate.inflight import InflightRollouts
 from tpu_jobs.generate.interface import sampling_params
 from tpu_jobs.generate.policy import load_policy
 from tpu_jobs.generate.sample_verify import JUDGE_STREAM, ROLLOUT_STREAM, Scored, sample_keys
 from tpu_jobs.generate.teacher import TeacherScorer
-from tpu_jobs.inflight_rollouts import InflightRollouts
 from tpu_jobs.learning.losses import filter_constant_groups, overlong_penalty
 from tpu_jobs.model.judge import suffix_ids
 
@@ -159,6 +159,11 @@ class RolloutWorker:
 
     def request_stop(self, *_: Any) -> None:
         self._stop = True
+
+    @property
+    def stopping(self) -> bool:
+        """Asked to stop (SIGTERM): finish what is in hand, claim nothing more."""
+        return self._stop
 
     def _ensure_version(self, version: int) -> bool:
         if self.version == version:

@@ -17,8 +17,8 @@ from pipeline.rollouts import batch_key, from_parquet_bytes
 from pipeline.run import base_server
 from tests.runs import clone_run
 from tpu_jobs.generate.engine import Engine, Request
+from tpu_jobs.generate.inflight import InflightRollouts
 from tpu_jobs.generate.interface import SamplingParams
-from tpu_jobs.inflight_rollouts import InflightRollouts
 from tpu_jobs.model.transformer import init_model
 from tpu_jobs.rollout_worker import RolloutWorker
 

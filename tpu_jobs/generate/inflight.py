@@ -31,20 +31,43 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
-from pipeline.leases import Lease, LeaseLostError
-from pipeline.run import DONE_KEY
+from pipeline.config import RunConfig
+from pipeline.leases import BatchLeases, Lease, LeaseLostError
+from pipeline.rollouts import RolloutBatch
+from pipeline.run import DONE_KEY, Run
 from pipeline.tasks.base import Problem
 from tpu_jobs.generate.engine import Completion, Engine, Request
 from tpu_jobs.generate.interface import check_prompts, sampling_params
 from tpu_jobs.generate.sample_verify import score
 from tpu_jobs.generate.token_draw import key_data
 
-if TYPE_CHECKING:
-    from tpu_jobs.rollout_worker import RolloutWorker
+
+class BatchMaker(Protocol):
+    """What a stream needs of its worker (`tpu_jobs.rollout_worker.RolloutWorker`, which
+    imports this module): its claims, a batch's rows, their scoring and assembly, and its
+    commits."""
+
+    run: Run
+    cfg: RunConfig
+    worker_id: str
+    tok: Any
+    model: Any
+    sampler: Any
+    leases: BatchLeases
+    last_stats: dict[str, Any]
+    log: Any
+
+    @property
+    def stopping(self) -> bool: ...
+    def claim(self) -> Lease | None: ...
+    def round_inputs(self, index: int, rnd: int) -> tuple[list[Problem], list[Problem], Any]: ...
+    def scored_round(self, rnd: int, problems: list[Problem], scored: Any) -> dict[str, Any]: ...
+    def assemble(self, index: int, version: int, parts: list) -> RolloutBatch: ...
+    def commit(self, lease: Lease, batch: RolloutBatch, began: float) -> None: ...
 
 
 @dataclass
@@ -69,7 +92,7 @@ class InflightRollouts:
     `began`, its version already loaded) until no batch pinned to that version can be
     claimed and every row is done. `run()` returns when every batch is committed."""
 
-    def __init__(self, worker: RolloutWorker, lease: Lease, began: float) -> None:
+    def __init__(self, worker: BatchMaker, lease: Lease, began: float) -> None:
         if not isinstance(worker.sampler, Engine):
             raise TypeError(
                 f"rollout.inflight_batches > 1 needs the jax engine; the worker's sampler is "
@@ -119,7 +142,7 @@ class InflightRollouts:
         if now - self.tried < self.cfg.rollout.poll_seconds:
             return []  # a claim scans the store's leases: at most one try per poll
         self.tried = now
-        if self.w._stop or self.w.run.store.exists(DONE_KEY):
+        if self.w.stopping or self.w.run.store.exists(DONE_KEY):
             self.closed = True
             return []
         lease = self.w.claim()
