@@ -316,6 +316,11 @@ ROUTING_ENGINES = ("jax", "static")
 SAMPLER_ENGINES = ("jax", "static", "vllm")
 
 
+# sampler.vllm_weight_transfer: how a new version reaches a running vLLM server
+# (tpu_jobs/generate/vllm_sampler.py).
+VLLM_WEIGHT_TRANSFERS = ("shm", "disk")
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
     """Generation settings of the rollout workers, the evaluator and the pass-rate job.
@@ -358,9 +363,14 @@ class SamplerConfig:
     decode_chunk: int = 8  # decode steps per jitted chunk, between refills
     vllm_python: str = ""  # engine "vllm": the interpreter of vLLM's virtualenv
     vllm_args: tuple[str, ...] = ()  # engine "vllm": more `vllm serve` arguments
+    # engine "vllm": how each new version reaches the running server: "shm", the tensors
+    # in a shared-memory block its workers read (tpu_jobs/generate/vllm_worker_ext.py),
+    # or "disk", an exported checkpoint it reloads from its path.
+    vllm_weight_transfer: str = "shm"
 
     def __post_init__(self) -> None:
         _one_of("sampler.engine", self.engine, SAMPLER_ENGINES)
+        _one_of("sampler.vllm_weight_transfer", self.vllm_weight_transfer, VLLM_WEIGHT_TRANSFERS)
         object.__setattr__(self, "vllm_args", tuple(str(a) for a in self.vllm_args))
         _check(self.slots > 0, "sampler.slots", self.slots, "> 0")
         _check(self.page_size > 0, "sampler.page_size", self.page_size, "> 0")

@@ -13,8 +13,11 @@ float32 rounding (~1e-6 measured; 1e-5 allowed).
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +28,7 @@ from pipeline.paramserver import ParamServer
 from pipeline.problem_sets import write_data
 from pipeline.run import Run, base_server
 from tests.runs import tiny_config
+from tpu_jobs.generate import vllm_worker_ext
 from tpu_jobs.generate.interface import SamplingParams
 from tpu_jobs.generate.sample_verify import ROLLOUT_STREAM, sample_keys
 from tpu_jobs.generate.vllm_sampler import DEFAULT_PYTHON, VllmSampler
@@ -199,6 +203,115 @@ def test_weight_update_in_place_resets_the_prefix_cache(worker, tmp_path):
     # The same weights again: no reload.
     generate(sampler, worker.model, [prompt], seed=4)
     assert sampler.weight_updates == updates + 1
+
+
+def own_blocks() -> list[Path]:
+    """The shared-memory weight blocks this process has left in /dev/shm."""
+    return sorted(vllm_worker_ext.SHM_DIR.glob(f"rlax-vllm-{os.getpid()}-*"))
+
+
+def test_shm_reload_serves_what_the_disk_reload_serves(worker, tmp_path, monkeypatch):
+    """The default in-place update (one shared-memory block, read by the server's worker
+    extension) serves the very weights a reload from an exported checkpoint serves: the
+    same greedy tokens and log-probs, transformers' within TOL. The block exists while
+    the server reads it and is gone afterwards, also when the request fails."""
+    sampler = worker.sampler
+    assert sampler.weight_transfer == "shm" and not own_blocks()
+    blocks: list[Path] = []
+    real_post = sampler.server.post
+
+    def post(path, body):
+        if body.get("method") == "load_weights_from_shm":
+            blocks.append(Path(json.loads(body["kwargs"]["manifest"])["path"]))
+            assert blocks[-1].is_file(), "the block went before the server read it"
+        return real_post(path, body)
+
+    monkeypatch.setattr(sampler.server, "post", post)
+    prompts = [[1, 5, 9, 12, 7], [1, 30, 31]]
+    flat = flat_params(init_model(worker.cfg.model, 11))
+    outs = {}
+    for transfer in ("disk", "shm"):
+        monkeypatch.setattr(sampler, "weight_transfer", transfer)
+        load_flat_params(worker.model, flat)  # new arrays, the same values: a reload
+        updates = sampler.weight_updates
+        outs[transfer] = generate(sampler, worker.model, prompts, temperature=0.0, new=12)
+        assert sampler.weight_updates == updates + 1
+        assert set(sampler.last_update) >= {"prepare", "reload", "reset", "total"}
+    assert len(blocks) == 1 and not blocks[0].exists() and not own_blocks()
+    np.testing.assert_array_equal(outs["shm"].tokens, outs["disk"].tokens)
+    np.testing.assert_array_equal(outs["shm"].lengths, outs["disk"].lengths)
+    np.testing.assert_allclose(outs["shm"].logprobs, outs["disk"].logprobs, atol=1e-6, rtol=0)
+    ref = hf_logprobs(tmp_path, worker.model, rows_of(outs["shm"], prompts), temperature=0.0)
+    for r in range(len(prompts)):
+        got = outs["shm"].logprobs[r, : outs["shm"].lengths[r]]
+        np.testing.assert_allclose(got, ref[r], atol=TOL, rtol=0)
+
+    # A failed request (here: the answer lost after the server loaded the block) leaves
+    # no block behind, and the next call loads the weights again.
+    def lost(path, body):
+        post(path, body)
+        if body.get("method") == "load_weights_from_shm":
+            raise RuntimeError("answer lost")
+        return None
+
+    monkeypatch.setattr(sampler.server, "post", lost)
+    load_flat_params(worker.model, flat_params(init_model(worker.cfg.model, 12)))
+    updates = sampler.weight_updates
+    with pytest.raises(RuntimeError, match="answer lost"):
+        generate(sampler, worker.model, prompts, temperature=0.0, new=4)
+    assert len(blocks) == 2 and not own_blocks() and sampler.weight_updates == updates
+    monkeypatch.setattr(sampler.server, "post", post)
+    generate(sampler, worker.model, prompts, temperature=0.0, new=4)
+    assert sampler.weight_updates == updates + 1 and not own_blocks()
+
+
+def test_weight_block_round_trip_and_checks(tmp_path):
+    """`put_weights` -> `read_weights`: the same values, bfloat16 included (NumPy has none:
+    its bytes travel as uint16); a manifest whose entry lies outside its block, or whose
+    block is gone, is refused before any reload begins."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        "a.weight": rng.standard_normal((3, 5)).astype(np.float32),
+        "b.weight": rng.standard_normal(7).astype(ml_dtypes.bfloat16),
+        "c.bias": np.float16([1, 2, 3]),
+    }
+    block, manifest = vllm_worker_ext.put_weights(tensors)
+    try:
+        vllm_worker_ext.check_manifest(manifest)
+        got = dict(vllm_worker_ext.read_weights(manifest))
+        assert list(got) == list(tensors)
+        for name, arr in tensors.items():
+            want = torch.from_numpy(np.asarray(arr, np.float32))
+            assert got[name].shape == arr.shape
+            assert torch.equal(got[name].float(), want)
+        assert got["b.weight"].dtype == torch.bfloat16
+        bad = {**manifest, "tensors": [{**manifest["tensors"][0], "offset": manifest["size"]}]}
+        with pytest.raises(ValueError, match="lies outside"):
+            vllm_worker_ext.check_manifest(bad)
+    finally:
+        vllm_worker_ext.release(block)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        vllm_worker_ext.check_manifest(manifest)
+    with pytest.raises(ValueError, match="allowed in a shared-memory weight block"):
+        vllm_worker_ext.put_weights({"x": np.int8([1])})
+    assert not own_blocks()
+
+
+def test_weight_transfer_choices_are_checked():
+    """An unknown way, or a --worker-extension-cls of the caller's beside the in-memory
+    update's own, is refused with the allowed values; "disk" leaves the server plain."""
+    cfg = tiny_config(*OVERRIDES)
+    with pytest.raises(ValueError, match="allowed: 'shm', 'disk'"):
+        VllmSampler(cfg.model, weight_transfer="nfs")
+    with pytest.raises(ValueError, match="allowed: no --worker-extension-cls"):
+        VllmSampler(cfg.model, args=["--worker-extension-cls", "my.Ext"])
+    disk = VllmSampler(cfg.model, weight_transfer="disk", args=["--worker-extension-cls", "m.E"])
+    try:
+        assert disk.args.count("--worker-extension-cls") == 1
+    finally:
+        disk.close()
 
 
 def test_lora_adapters_are_served_merged(worker, tmp_path, monkeypatch):

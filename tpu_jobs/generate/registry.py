@@ -55,6 +55,7 @@ def _vllm(cfg: RunConfig, tok: Tokenizer, mesh: jax.sharding.Mesh | None) -> Vll
         python=sc.vllm_python,
         args=sc.vllm_args,
         lora=cfg.lora,
+        weight_transfer=sc.vllm_weight_transfer,
     )
 
 

