@@ -171,6 +171,7 @@ BAD_VALUES = {
     "task.countdown.numbers": 9,
     "task.weights": "[-1, 1]",
     "rollout.sample_chunks": 0,
+    "rollout.inflight_batches": 0,
     "sft.steps": -1,
     "sft.batch_size": 0,
     "sft.lr": ".inf",
@@ -584,6 +585,8 @@ NEW_KEYS = (
     "trainer.judge_loss_weight",
     "task.code.slip",
     "trainer.routing_replay",
+    "rollout.inflight_batches",
+    "sampler.vllm_weight_transfer",
     *(
         f"model.{name}"
         for name in (
