@@ -501,6 +501,7 @@ class RolloutWorker:
             "tokens": batch.num_tokens(),
             "reward_mean": float(batch.reward.mean()) if len(batch) else None,
             "seconds": seconds,
+            "time": time.time(),  # when it was committed (the loop benchmark's busy intervals)
             **self.last_stats,
         }
         key = f"metrics/rollout/b{batch.batch_index:08d}-{uuid.uuid4().hex[:12]}.json"

@@ -48,6 +48,28 @@ def _loss_postfix(run: Run, key: str) -> str:
     return f"loss {json.loads(run.store.read(key))['loss']:.3f}"
 
 
+def run_rl(run: Run, workers: int) -> None:
+    """The RL stage: the trainer and `workers` rollout workers as processes, followed until
+    the trainer is done; then the workers are stopped (benchmarks/loop.py times this)."""
+    fleet = Fleet(run.url)
+    fleet.start("trainer", "train")
+    for name in worker_ids(workers):
+        fleet.start(name, "rollout", ("--worker-id", name))
+    try:
+        _follow(
+            run,
+            fleet,
+            "train",
+            run.config.trainer.steps,
+            "rl",
+            lambda: run.store.exists(DONE_KEY) and not fleet.alive("trainer"),
+            _reward_postfix,
+        )
+        fleet.check()
+    finally:
+        fleet.stop()
+
+
 def run_demo(run: Run, workers: int, eval_every: int) -> str:
     cfg = run.config
     t_start = time.time()
@@ -67,23 +89,7 @@ def run_demo(run: Run, workers: int, eval_every: int) -> str:
     fleet.check()
 
     print(f"[3/5] RL: trainer + {workers} rollout workers as separate processes")
-    fleet = Fleet(run.url)
-    fleet.start("trainer", "train")
-    for name in worker_ids(workers):
-        fleet.start(name, "rollout", ("--worker-id", name))
-    try:
-        _follow(
-            run,
-            fleet,
-            "train",
-            cfg.trainer.steps,
-            "rl",
-            lambda: run.store.exists(DONE_KEY) and not fleet.alive("trainer"),
-            _reward_postfix,
-        )
-        fleet.check()
-    finally:
-        fleet.stop()
+    run_rl(run, workers)
 
     if cfg.eval.orm:
         print("[3b/5] ORM baseline: an external verifier trained on the run's labelled rollouts")
