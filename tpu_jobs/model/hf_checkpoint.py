@@ -10,7 +10,8 @@ experts are stacked: HF's `mlp.experts.{e}.gate_proj.weight` [out, in] per exper
 transformers 5's fused `mlp.experts.gate_up_proj` [E, 2 * inter, hidden], are
 `mlp.experts.gate_proj.kernel` [E, in, out] here): what the import /
 export job (`tpu_jobs.hf`) and the vLLM sampler (`tpu_jobs.generate.vllm_sampler`, which
-serves each version from an exported directory) share. `export_hf` writes a directory that
+starts on an exported directory and takes each later version as `hf_views`, the same
+mapping without copies, written into shared memory) share. `export_hf` writes a directory that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
 Nothing here downloads: a checkpoint is a local directory. Safetensors are read and written
@@ -21,6 +22,7 @@ network; weights are loaded as float32.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -422,20 +424,6 @@ def stack_experts(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[s
     return out
 
 
-def unstack_experts(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The inverse of `stack_experts` into the per-expert layout (the Hub's)."""
-    if not cfg.moe:
-        return dict(tensors)
-    out = dict(tensors)
-    for i in range(cfg.num_layers):
-        prefix = _experts_prefix(i)
-        for proj in EXPERT_PROJECTIONS:
-            stacked = out.pop(f"{prefix}.{proj}.weight")
-            for e in range(cfg.num_experts):
-                out[f"{prefix}.{e}.{proj}.weight"] = np.ascontiguousarray(stacked[e])
-    return out
-
-
 def _o_bias_names(cfg: ModelConfig) -> list[str]:
     return [f"model.layers.{i}.self_attn.o_proj.bias" for i in range(cfg.num_layers)]
 
@@ -492,25 +480,53 @@ def hf_to_flat(tensors: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str,
     return out
 
 
+_STACKED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\w+)\.weight")
+
+
+def hf_views(
+    flat: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    family: str | None = None,
+    *,
+    untie: bool = False,
+) -> dict[str, np.ndarray]:
+    """{HF name: `flat`'s array in HF layout}, as views without a copy: the one name and
+    layout mapping of the export (`flat_to_hf`) and of the vLLM sampler's shared-memory
+    writer (`tpu_jobs.generate.vllm_worker_ext.put_weights`, which copies each view once,
+    straight into its place). Kernels [..., in, out] are transposed views [..., out, in];
+    a MoE layer's stacked experts are one view per expert (the Hub's layout); the o_proj
+    biases that `attention_bias=true` implies are zeros. `untie` (with tied embeddings):
+    `lm_head.weight` is the embedding itself, the tensor `untie_embeddings` + `flat_to_hf`
+    give; the caller serves a config with tie_embeddings off."""
+    fam = FAMILIES[family] if family else default_family(cfg)
+    out: dict[str, np.ndarray] = {}
+    for name, arr in flat.items():
+        arr = np.asarray(arr)
+        view = _kernel_t(arr) if name.endswith(".kernel") else arr
+        stacked = _STACKED_EXPERTS.fullmatch(hf_name(name)) if cfg.moe else None
+        if stacked and stacked[2] in EXPERT_PROJECTIONS:
+            for e in range(view.shape[0]):
+                out[f"{stacked[1]}.{e}.{stacked[2]}.weight"] = view[e]
+        else:
+            out[hf_name(name)] = view
+    if untie and cfg.tie_embeddings and "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    if fam.qkv_bias is None and cfg.qkv_bias:  # attention_bias=true also creates o_proj.bias
+        for name in _o_bias_names(cfg):
+            out[name] = np.zeros((cfg.hidden_size,), np.float32)
+    return out
+
+
 def flat_to_hf(
     flat: Mapping[str, np.ndarray],
     cfg: ModelConfig,
     family: str | None = None,
     dtype: str = "float32",
 ) -> dict[str, np.ndarray]:
-    """{flat name: array} -> HF tensors (weights [out, in]) in `dtype`."""
-    fam = FAMILIES[family] if family else default_family(cfg)
+    """{flat name: array} -> HF tensors (weights [out, in]) in `dtype`: `hf_views`, each
+    copied once into a new contiguous array."""
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
-    out = {}
-    for name, arr in flat.items():
-        arr = np.asarray(arr, np.float32)
-        out[hf_name(name)] = np.ascontiguousarray(
-            _kernel_t(arr) if name.endswith(".kernel") else arr
-        )
-    if fam.qkv_bias is None and cfg.qkv_bias:  # attention_bias=true also creates o_proj.bias
-        for name in _o_bias_names(cfg):
-            out[name] = np.zeros((cfg.hidden_size,), np.float32)
-    return {k: v.astype(np_dtype) for k, v in unstack_experts(out, cfg).items()}
+    return {k: np.array(v, np_dtype, order="C") for k, v in hf_views(flat, cfg, family).items()}
 
 
 def untie_embeddings(
