@@ -138,7 +138,7 @@ def main() -> None:
     lines = [
         "# In-flight batches: a worker's engine on the long tail",
         "",
-        (__doc__ or "").split("\n\n", 1)[1].split("    nice")[0].strip(),
+        (__doc__ or "").split("\n\n", 2)[2].strip(),  # the method, after title and command
         "",
         f"Device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, {platform.machine()}, "
         f"JAX {jax.__version__}; load average before the run {load:.1f}. `{args.preset}` preset "
