@@ -131,6 +131,9 @@ class InflightRollouts:
     # ----------------------------------------------------------------- engine callbacks
 
     def _feed(self) -> list[Request]:
+        for future in self.commits:  # a failed commit stops the stream now, not at its end
+            if future.done() and future.exception() is not None:
+                raise future.exception()
         if self.first is not None:
             lease, began = self.first
             self.first = None
