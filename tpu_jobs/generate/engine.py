@@ -33,6 +33,10 @@ How a call runs (`Engine.run`; `Engine.generate` is the static sampler's interfa
   does). A request that cannot fit the budget on its own is refused up front.
 * `keep=True` parks a finished request with its pages; `Resume(handle, tokens)` appends
   tokens (a tool's output) and continues from its cache.
+* `Engine.stream` takes requests as a `feed` callback hands them over (asked whenever
+  everything fed is admitted and a slot is free) and reports each completion as it
+  finishes: a rollout worker's in-flight batches (`tpu_jobs.generate.inflight`). `run` is
+  a stream with one feed.
 
 Reproducibility. Row r's token at sample index s is argmax(filtered logits +
 gumbel(fold_in(key_r, s))), the static sampler's draw, and its logits depend only on its
@@ -40,7 +44,9 @@ own tokens (attention reads only its own pages). So a row's tokens depend on its
 prompt and the weights, not on its slot, its chunk's other rows, or preemptions, up to
 float rounding between shape buckets (as for the static sampler), which on the tests'
 models leaves the tokens identical. The schedule itself is a deterministic function of
-the requests, so a batch is the same however often it is made (on one machine kind).
+the requests, so a batch is the same however often it is made (on one machine kind);
+with `stream` it depends on when the feed hands requests over, so a row's log-probs
+can change in their last bits (benchmarks/results/row_invariance.md).
 """
 
 from __future__ import annotations
