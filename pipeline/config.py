@@ -854,6 +854,9 @@ class RunConfig:
              "false (a batch's later rounds wait on its first round's rewards)"),
             ("rollout.sample_chunks", rc.sample_chunks, rc.sample_chunks > 1,
              "1 (in-flight batches already overlap scoring with decoding)"),
+            ("distill.teacher", self.distill.teacher, self.distill.enabled,
+             "empty (a teacher scoring batches on the commit thread beside the engine is "
+             "not tested)"),
         )  # fmt: skip
         for name, value, bad, allowed in refused:
             if bad:

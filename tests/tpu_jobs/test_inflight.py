@@ -99,3 +99,8 @@ def test_a_stream_commits_the_batches_one_at_a_time_makes(inflight_run):
 def test_inflight_batches_refuse_what_waits_on_a_batch_s_rewards(override, named):
     with pytest.raises(ConfigError, match=f"inflight_batches=2 cannot be used with {named}"):
         load_config("configs/tiny.yaml", ["rollout.inflight_batches=2", override])
+
+
+def test_inflight_batches_refuse_a_distillation_teacher():
+    with pytest.raises(ConfigError, match="cannot be used with distill.teacher="):
+        load_config("configs/demo_distill.yaml", ["rollout.inflight_batches=2"])

@@ -682,11 +682,11 @@ class Engine:
 
     # ----------------------------------------------------------------- requests -> rows
 
-    def _seqs(
+    def _check(
         self, requests: Sequence[Request | Resume], params: SamplingParams, first: int = 0
-    ) -> list[_Seq]:
-        """One _Seq per request, numbered from `first` (a Resume takes its parked one),
-        once every request is checked and the pool sized."""
+    ) -> None:
+        """Refuse a request the engine cannot serve (numbered from `first`), before
+        anything is allocated."""
         needs = []
         for i, r in enumerate(requests, first):
             _check_request(i, r, self.detokenize)
@@ -713,6 +713,14 @@ class Engine:
                     f"tokens ({num_pages} pages of {self.page_size}, one kept for sharing); "
                     "raise kv_tokens or shorten the request"
                 )
+
+    def _seqs(
+        self, requests: Sequence[Request | Resume], params: SamplingParams, first: int = 0
+    ) -> list[_Seq]:
+        """One _Seq per request, numbered from `first` (a Resume takes its parked one),
+        once every request is checked and the pool sized."""
+        self._check(requests, params, first)
+        num_pages = self.num_pages
         self._ensure_pool(num_pages, params.dtype)
         seqs = []
         for i, r in enumerate(requests, first):
@@ -757,6 +765,7 @@ class Engine:
             return []
         longest = max(r.max_new_tokens for r in requests)
         params = params or SamplingParams(max(longest, 1))
+        self._check(requests, params)  # before `stream` allocates and converts anything
         out: list[Completion | None] = [None] * len(requests)
         fed = [False]
 

@@ -28,6 +28,8 @@ create-only commits as for one batch at a time).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -105,6 +107,11 @@ class InflightRollouts:
         self.params = sampling_params(self.cfg, "rollout")
         self.first = (lease, began)
         self.open: dict[int, _Open] = {}  # batch index -> its open batch
+        # Batches whose leases this stream holds (open, or waiting for their commit): the
+        # heartbeat renews them, under the lock the commit takes before it releases one.
+        self.held: dict[int, _Open] = {}
+        self.lock = threading.Lock()
+        self.beating = threading.Event()
         self.by_row: list[int] = []  # stream index -> batch index
         self.closed = False  # no more batches join this stream
         self.batches = 0  # batches fed so far
@@ -114,12 +121,23 @@ class InflightRollouts:
 
     def run(self) -> None:
         began = time.perf_counter()
+        heart = threading.Thread(target=self._heartbeat, name="leases", daemon=True)
+        heart.start()
         try:
             served = self.engine.stream(self.w.model, self.params, self._feed, self._done)
             for future in self.commits:
-                future.result()  # a failed commit fails the worker (the lease lapses)
+                future.result()  # a failed commit fails the worker
         finally:
-            self.committer.shutdown(wait=True, cancel_futures=True)
+            # Whatever failed: the finished batches queued for commit are still written,
+            # and the leases of the others given up, so another worker takes them at once.
+            self.committer.shutdown(wait=True)
+            self.beating.set()
+            heart.join()
+            with self.lock:
+                for batch in self.held.values():
+                    with contextlib.suppress(LeaseLostError):
+                        self.w.leases.release(batch.lease)
+                self.held.clear()
         stats = self.engine.stats
         live = stats["live_row_steps"] / max(stats["decode_row_steps"], 1)
         self.w.log(
@@ -138,12 +156,13 @@ class InflightRollouts:
             lease, began = self.first
             self.first = None
             return self._open(lease, began)
-        self._renew()
         if self.closed or len(self.open) >= self.cfg.rollout.inflight_batches:
             return []
         now = time.monotonic()
-        if now - self.tried < self.cfg.rollout.poll_seconds:
-            return []  # a claim scans the store's leases: at most one try per poll
+        if self.open and now - self.tried < self.cfg.rollout.poll_seconds:
+            # A claim scans the store's leases: at most one try per poll while rows decode
+            # (with none open, an empty answer ends the stream, so try now).
+            return []
         self.tried = now
         if self.w.stopping or self.w.run.store.exists(DONE_KEY):
             self.closed = True
@@ -176,6 +195,8 @@ class InflightRollouts:
             renewed=time.monotonic(),
         )
         self.open[lease.index] = batch
+        with self.lock:
+            self.held[lease.index] = batch
         self.batches += 1
         self.by_row += [lease.index] * len(rows)
         data = key_data(keys)
@@ -189,18 +210,21 @@ class InflightRollouts:
             del self.open[batch.lease.index]
             self.commits.append(self.committer.submit(self._commit, batch))
 
-    def _renew(self) -> None:
-        """Keep the leases of batches waiting in the stream alive (a batch claimed early
-        waits for slots up to a batch's time)."""
+    def _heartbeat(self) -> None:
+        """Renew the held leases every third of their time to live: a batch claimed
+        early waits in the queue for slots, and a finished one for its commit."""
         ttl = self.w.leases.ttl_seconds
-        now = time.monotonic()
-        for batch in self.open.values():
-            if now - batch.renewed > ttl / 3:
-                try:
-                    batch.lease = self.w.leases.renew(batch.lease)
-                except LeaseLostError as err:  # another worker may make it; first commit wins
-                    self.w.log(f"[{self.w.worker_id}] batch {batch.lease.index}: {err}")
-                batch.renewed = now
+        while not self.beating.wait(min(ttl / 6, 5.0)):
+            now = time.monotonic()
+            with self.lock:
+                for batch in self.held.values():
+                    if now - batch.renewed <= ttl / 3:
+                        continue
+                    try:
+                        batch.lease = self.w.leases.renew(batch.lease)
+                    except LeaseLostError as err:  # another worker may make it; first commit wins
+                        self.w.log(f"[{self.w.worker_id}] batch {batch.lease.index}: {err}")
+                    batch.renewed = now
 
     # ----------------------------------------------------------------- commit thread
 
@@ -210,5 +234,7 @@ class InflightRollouts:
         r = self.w.scored_round(0, batch.problems, scored)
         parts = [(r, np.arange(len(batch.problems)))]
         rollout = self.w.assemble(batch.lease.index, self.version, parts)
-        self.w.last_stats["stream_position"] = batch.position  # >= 1: it joined a stream
+        self.w.last_stats["stream_position"] = batch.position  # 0: it started the stream
+        with self.lock:  # no renewal races the release
+            del self.held[batch.lease.index]
         self.w.commit(batch.lease, rollout, batch.began)

@@ -183,11 +183,27 @@ def kill_all(sig):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
 
+def reap_orphans(keep):
+    # As the group's subreaper it inherits vLLM's orphans: reap those that exited while
+    # the server runs (not `keep`, whose status Popen reads).
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == keep:
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError, ChildProcessError):
+            with open(f"/proc/{{name}}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            if state == "Z" and int(ppid) == me:
+                os.waitpid(int(name), os.WNOHANG)
+
 child = None
 if not stop:
     child = subprocess.Popen([sys.executable, *sys.argv[1:]])
+    ticks = 0
     while not stop and child.poll() is None:
         time.sleep(0.2)
+        ticks += 1
+        if ticks % 10 == 0:
+            reap_orphans(child.pid)
 code = 128 + stop[0] if stop else child.returncode
 code = 128 - code if code < 0 else code
 kill_all(signal.SIGTERM)
