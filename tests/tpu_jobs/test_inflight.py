@@ -5,6 +5,7 @@ change with the rows beside a row: benchmarks/results/row_invariance.md)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import ConfigError, load_config
+from pipeline.leases import BatchLeases
 from pipeline.paramserver import ParamServer
 from pipeline.rollouts import batch_key, from_parquet_bytes
 from pipeline.run import base_server
@@ -85,6 +87,48 @@ def test_a_stream_commits_the_batches_one_at_a_time_makes(inflight_run):
         np.testing.assert_array_equal(got.finished, want.finished)
         for a, b in zip(got.behaviour_logprobs, want.behaviour_logprobs, strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
+def test_leases_held_by_a_stream_stay_alive_past_their_time_to_live(tiny_base, tmp_path):
+    """Leases of half a second over a stream of several seconds: another worker trying
+    the stream's batches all along never gets one (the heartbeat renews them while they
+    wait for slots and for their commit)."""
+    cfg = tiny_base.config
+    cfg = replace(
+        cfg,
+        trainer=cfg.trainer.replace(max_staleness=5, steps=6),  # 6 batches, all on v0
+        rollout=replace(cfg.rollout, inflight_batches=2, lease_seconds=0.5),
+    )
+    run = clone_run(tiny_base, str(tmp_path / "run"), cfg)
+    ps = ParamServer(run.store)
+    ps.publish(0, dict(base_server(run).pull(0).tensors), epoch=ps.acquire_epoch())
+    worker = RolloutWorker(run, "w0", log=lambda m: None)
+    lease = worker.claim()
+    assert worker._ensure_version(0)
+    stream = InflightRollouts(worker, lease, time.time())
+    other = BatchLeases(run.store, ttl_seconds=0.5)
+    taken, tries, done = [], [0], threading.Event()
+
+    def intrude():
+        while not done.is_set():
+            for index in list(stream.held):
+                tries[0] += 1
+                got = other.claim_next(index, "intruder", 0, limit=index + 1)
+                if got is not None and not other.batch_exists(index):
+                    taken.append(index)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=intrude)
+    thread.start()
+    began = time.monotonic()
+    try:
+        stream.run()
+    finally:
+        done.set()
+        thread.join()
+    assert time.monotonic() - began > 1.0, "the stream was too short to test the leases"
+    assert tries[0] > 5 and taken == []
+    assert worker.batches_done == 6
 
 
 @pytest.mark.parametrize(
