@@ -90,9 +90,9 @@ def test_a_stream_commits_the_batches_one_at_a_time_makes(inflight_run):
 
 
 def test_leases_held_by_a_stream_stay_alive_past_their_time_to_live(tiny_base, tmp_path):
-    """Leases of half a second over a stream of several seconds: another worker trying
-    the stream's batches all along never gets one (the heartbeat renews them while they
-    wait for slots and for their commit)."""
+    """Leases of half a second over a stream of seconds (each commit takes 0.3 s, as on a
+    slow store): another worker trying the stream's batches all along never gets one (the
+    heartbeat renews them while they wait for slots and for their commit)."""
     cfg = tiny_base.config
     cfg = replace(
         cfg,
@@ -105,6 +105,13 @@ def test_leases_held_by_a_stream_stay_alive_past_their_time_to_live(tiny_base, t
     worker = RolloutWorker(run, "w0", log=lambda m: None)
     lease = worker.claim()
     assert worker._ensure_version(0)
+    commit = worker.commit
+
+    def slow_commit(*args):  # a slow store: finished batches wait for their commit
+        time.sleep(0.3)
+        commit(*args)
+
+    worker.commit = slow_commit
     stream = InflightRollouts(worker, lease, time.time())
     other = BatchLeases(run.store, ttl_seconds=0.5)
     taken, tries, done = [], [0], threading.Event()
