@@ -28,6 +28,7 @@ A layout is `DecodeLayout(prepare, step)`:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -176,6 +177,16 @@ def prepare_state(graphdef: nnx.GraphDef, state: nnx.State, *, layout: DecodeLay
     weights only, not float32 ones plus a bf16 copy made inside every call."""
     cast = cast_state(state, dtype)
     return (None if dtype == "float32" else cast), layout.prepare(nnx.merge(graphdef, cast))
+
+
+@functools.cache
+def prepare_program(graphdef: nnx.GraphDef, layout: str, dtype: str) -> Callable:
+    """`prepare_state` jitted for this model, decode layout (a DECODE_LAYOUTS name) and
+    dtype: one per process, shared by the samplers and kept across weight versions (a new
+    jit per version would trace and compile it again at every version)."""
+    return jax.jit(
+        functools.partial(prepare_state, graphdef, layout=DECODE_LAYOUTS[layout], dtype=dtype)
+    )
 
 
 # --------------------------------------------------------------------------- registry

@@ -65,9 +65,8 @@ from flax import nnx
 from pipeline.config import ModelConfig
 from pipeline.rollouts import routing_dtype
 from tpu_jobs.generate.decode_layouts import (
-    DECODE_LAYOUTS,
     feature_major_logits,
-    prepare_state,
+    prepare_program,
     resolve_layout,
 )
 from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
@@ -586,15 +585,7 @@ class Engine:
         self._weights = None
         if self.mesh is not None:
             state = meshlib.shard_tree(state, self.mesh)
-        # One program per (model, layout, dtype), kept across weight versions: a new jit
-        # per version would trace and compile it again at every version.
-        key = ("prepare_state", graphdef, self.mesh, self.decode_layout, dtype)
-        if key not in _PROGRAMS:
-            layout = DECODE_LAYOUTS[self.decode_layout]
-            _PROGRAMS[key] = jax.jit(
-                functools.partial(prepare_state, graphdef, layout=layout, dtype=dtype)
-            )
-        cast, weights = _PROGRAMS[key](state)
+        cast, weights = prepare_program(graphdef, self.decode_layout, dtype)(state)
         state = state if cast is None else cast
         self._weights = (dtype, given, graphdef, state, weights)
         return graphdef, state, weights
@@ -682,11 +673,11 @@ class Engine:
 
     # ----------------------------------------------------------------- requests -> rows
 
-    def _check(
+    def _seqs(
         self, requests: Sequence[Request | Resume], params: SamplingParams, first: int = 0
-    ) -> None:
-        """Refuse a request the engine cannot serve (numbered from `first`), before
-        anything is allocated."""
+    ) -> list[_Seq]:
+        """One _Seq per request, numbered from `first` (a Resume takes its parked one),
+        once every request is checked and the pool sized."""
         needs = []
         for i, r in enumerate(requests, first):
             _check_request(i, r, self.detokenize)
@@ -713,14 +704,6 @@ class Engine:
                     f"tokens ({num_pages} pages of {self.page_size}, one kept for sharing); "
                     "raise kv_tokens or shorten the request"
                 )
-
-    def _seqs(
-        self, requests: Sequence[Request | Resume], params: SamplingParams, first: int = 0
-    ) -> list[_Seq]:
-        """One _Seq per request, numbered from `first` (a Resume takes its parked one),
-        once every request is checked and the pool sized."""
-        self._check(requests, params, first)
-        num_pages = self.num_pages
         self._ensure_pool(num_pages, params.dtype)
         seqs = []
         for i, r in enumerate(requests, first):
@@ -765,17 +748,9 @@ class Engine:
             return []
         longest = max(r.max_new_tokens for r in requests)
         params = params or SamplingParams(max(longest, 1))
-        self._check(requests, params)  # before `stream` allocates and converts anything
         out: list[Completion | None] = [None] * len(requests)
-        fed = [False]
-
-        def feed() -> Sequence[Request | Resume]:
-            if fed[0]:
-                return ()
-            fed[0] = True
-            return requests
-
-        self.stream(model, params, feed, out.__setitem__)
+        feeds = iter([requests])
+        self.stream(model, params, lambda: next(feeds, ()), out.__setitem__)
         return out  # type: ignore[return-value]  (every index was set by on_done)
 
     def stream(
@@ -795,7 +770,11 @@ class Engine:
         decode: a caller can finish a whole group of its requests (a rollout batch)
         before the rest (`rollout.inflight_batches`). A row's log-probs can change in the
         last bits with the rows beside it (benchmarks/results/row_invariance.md)."""
-        self._ensure_pool(self.num_pages, params.dtype)
+        first = feed()
+        if not first:
+            return 0
+        # Checked (and the pool sized) before the weights are converted.
+        seqs = self._seqs(first, params)
         graphdef, state, weights = self._state(model, params.dtype)
         self._run = dict(
             graphdef=graphdef,
@@ -828,21 +807,19 @@ class Engine:
         self.chunk_shapes = Counter()
         self.pool.peak_in_use = self.pool.in_use
         queue: deque = deque()
+        self._enqueue(seqs, queue)
+        served = len(first)
         slots: list[_Seq | None] = [None] * self.max_slots
         admitted: list[_Seq] = []  # live rows in admission order (preemption: newest first)
-        served = 0
-        more = True  # whether feed may still hand over requests
         try:
             while True:
-                if more and not queue and None in slots:
+                if not queue and None in slots:
                     given = feed()
                     if given:
                         self._enqueue(self._seqs(given, params, served), queue)
                         served += len(given)
                     elif not admitted:
-                        more = False  # nothing live and nothing more: done
-                if not queue and not admitted:
-                    break
+                        break  # nothing live and nothing more: done
                 self._refill(queue, slots, admitted)
                 if not admitted:
                     raise AssertionError("no row could be admitted although every request fits")

@@ -109,8 +109,9 @@ def decode_rows(
     tok: Any, out: SampleResult
 ) -> tuple[list[list[int]], list[str], list[list[float]]]:
     """A sampler call's rows as lists: each row's completion ids, text and log-probs."""
-    ids = [out.tokens[r, :n].tolist() for r, n in enumerate(out.lengths.tolist())]
-    logps = [out.logprobs[r, :n].tolist() for r, n in enumerate(out.lengths.tolist())]
+    lengths = out.lengths.tolist()
+    ids = [out.tokens[r, :n].tolist() for r, n in enumerate(lengths)]
+    logps = [out.logprobs[r, :n].tolist() for r, n in enumerate(lengths)]
     return ids, [tok.decode(row) for row in ids], logps
 
 

@@ -42,7 +42,7 @@ from pipeline.rollouts import routing_dtype
 from tpu_jobs.generate.decode_layouts import (
     DECODE_LAYOUTS,
     DecodeLayout,
-    prepare_state,
+    prepare_program,
     resolve_layout,
 )
 from tpu_jobs.generate.interface import SampleResult, SamplingParams, check_prompts
@@ -240,7 +240,6 @@ class StaticSampler:
         self._caches: dict[tuple, KVCache] = {}  # donated in, returned out, reused
         # The decode layout's weights of the last weights seen: (dtype, their leaves, weights).
         self._prepared: tuple[str, list, object] | None = None
-        self._prepare_fns: dict[tuple, jax.stages.Wrapped] = {}
         self._weights: tuple[nnx.GraphDef, nnx.State] | None = None
         self.mesh = mesh
         if kv_token_budget < 0:
@@ -311,13 +310,7 @@ class StaticSampler:
         if hit is not None and hit[0] == dtype and same_arrays(hit[1], given):
             return hit[2]
         self._prepared = None  # free the old weights first
-        fn = self._prepare_fns.get((graphdef, dtype))
-        if fn is None:
-            fn = jax.jit(
-                functools.partial(prepare_state, graphdef, layout=self._layout, dtype=dtype)
-            )
-            self._prepare_fns[(graphdef, dtype)] = fn
-        weights = fn(state)
+        weights = prepare_program(graphdef, self.decode_layout, dtype)(state)
         self._prepared = (dtype, given, weights)
         return weights
 
@@ -344,8 +337,7 @@ class StaticSampler:
     def abstract_weights(self, graphdef: nnx.GraphDef, state: nnx.State, dtype: str):
         """The shapes of (the state, the decode layout's weights) a generate program of
         `dtype` takes for `state` (no computation)."""
-        fn = functools.partial(prepare_state, graphdef, layout=self._layout, dtype=dtype)
-        cast, weights = jax.eval_shape(fn, state)
+        cast, weights = jax.eval_shape(prepare_program(graphdef, self.decode_layout, dtype), state)
         return (state if cast is None else cast), weights
 
     def generate(
