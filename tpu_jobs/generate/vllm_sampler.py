@@ -114,10 +114,6 @@ SERVED_NAME = "policy"
 # (torch.compile, cached under ~/.cache/vllm): allow a slow shared machine its time.
 STARTUP_SECONDS = 900.0
 REQUEST_SECONDS = 3600.0
-# How a new weight version reaches a running server (module docstring, "Weights"): "shm",
-# one shared-memory block read by the worker extension below; "disk", an HF checkpoint
-# exported and reloaded by path (what the server's first start always uses).
-WEIGHT_TRANSFERS = VLLM_WEIGHT_TRANSFERS  # (pipeline.config, where the run config checks it)
 WORKER_EXTENSION = "tpu_jobs.generate.vllm_worker_ext.WeightsFromShm"
 
 
@@ -161,22 +157,27 @@ if parent and os.getppid() != int(parent):  # the job died before prctl
 grace = float(os.environ.pop("{GRACE_ENV}", "") or {STOP_GRACE_SECONDS!r})
 me = os.getpid()
 
-def others():
-    pids = []
+def procs():
+    # (pid, state, parent, group) of every other process, from /proc/PID/stat
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
             continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
+        try:
             with open(f"/proc/{{name}}/stat") as f:
-                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-            if int(pgrp) == me and state != "Z":
-                pids.append(int(name))
-    return pids
+                state, parent, group = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        yield int(name), state, int(parent), int(group)
+
+def others():
+    return [pid for pid, state, _, group in procs() if group == me and state != "Z"]
 
 def reap():
+    # every exited child; waitpid answers 0 while the others still run
     with contextlib.suppress(ChildProcessError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
+        pid = -1
+        while pid:
+            pid = os.waitpid(-1, os.WNOHANG)[0]
 
 def kill_all(sig):
     for pid in others():
@@ -186,14 +187,10 @@ def kill_all(sig):
 def reap_orphans(keep):
     # As the group's subreaper it inherits vLLM's orphans: reap those that exited while
     # the server runs (not `keep`, whose status Popen reads).
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == keep:
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError, ChildProcessError):
-            with open(f"/proc/{{name}}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-            if state == "Z" and int(ppid) == me:
-                os.waitpid(int(name), os.WNOHANG)
+    for pid, state, parent, _ in procs():
+        if state == "Z" and parent == me and pid != keep:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
 
 child = None
 if not stop:
@@ -382,7 +379,7 @@ class VllmSampler:
     `kv_token_budget` (> 0): its KV cache in tokens (`--kv-cache-memory-bytes`);
     `python`: vLLM's interpreter; `args`: more server arguments; `lora`: the run's lora
     section, whose scale merges a model's adapters (module docstring); `weight_transfer`:
-    how a new version reaches the running server, one of WEIGHT_TRANSFERS (module
+    how a new version reaches the running server, one of VLLM_WEIGHT_TRANSFERS (module
     docstring); `log`: where the server's start and each reload are reported."""
 
     def __init__(
@@ -400,10 +397,10 @@ class VllmSampler:
         weight_transfer: str = "shm",
         log: Callable[[str], None] = print,
     ) -> None:
-        if weight_transfer not in WEIGHT_TRANSFERS:
+        if weight_transfer not in VLLM_WEIGHT_TRANSFERS:
             raise ValueError(
                 f"weight_transfer={weight_transfer!r} is invalid; allowed: "
-                + ", ".join(repr(w) for w in WEIGHT_TRANSFERS)
+                + ", ".join(repr(w) for w in VLLM_WEIGHT_TRANSFERS)
             )
         self.weight_transfer = weight_transfer
         self.model_cfg = model

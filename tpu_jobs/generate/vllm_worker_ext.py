@@ -55,6 +55,10 @@ DTYPES: dict[str, tuple[str, str | None]] = {
 _blocks = count()
 
 
+def _elements(shape: Any) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
 def block_name(prefix: str = "rlax-vllm") -> str:
     """A name for a new block, unique on the machine (process id and a counter): a glob
     `/dev/shm/{prefix}-*` finds what a job left behind."""
@@ -85,7 +89,7 @@ def put_weights(
         entries.append(
             {"name": hf_name, "dtype": str(dt), "shape": list(arr.shape), "offset": offset}
         )
-        offset += int(np.prod(arr.shape, dtype=np.int64)) * dt.itemsize
+        offset += _elements(arr.shape) * dt.itemsize
     block = shared_memory.SharedMemory(name=name or block_name(), create=True, size=max(offset, 1))
     try:
         path = SHM_DIR / block.name.lstrip("/")
@@ -209,10 +213,7 @@ def check_manifest(manifest: Mapping[str, Any]) -> None:
                 f"tensor {entry['name']!r} has dtype {entry['dtype']}; allowed: "
                 + ", ".join(DTYPES)
             )
-        nbytes = (
-            int(np.prod(entry["shape"], dtype=np.int64))
-            * np.dtype(DTYPES[entry["dtype"]][0]).itemsize
-        )
+        nbytes = _elements(entry["shape"]) * np.dtype(DTYPES[entry["dtype"]][0]).itemsize
         if not 0 <= int(entry["offset"]) <= size - nbytes:
             raise ValueError(
                 f"tensor {entry['name']!r} ({nbytes} bytes at {entry['offset']}) lies outside "
@@ -229,7 +230,7 @@ def read_weights(manifest: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
     data = np.memmap(manifest["path"], dtype=np.uint8, mode="c", shape=(int(manifest["size"]),))
     for entry in manifest["tensors"]:
         np_dtype, torch_dtype = DTYPES[entry["dtype"]]
-        n = int(np.prod(entry["shape"], dtype=np.int64))
+        n = _elements(entry["shape"])
         arr = np.ndarray(n, np_dtype, data, int(entry["offset"])).reshape(entry["shape"])
         tensor = torch.from_numpy(arr)
         if torch_dtype is not None:
