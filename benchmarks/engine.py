@@ -105,6 +105,14 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 EOS = 2
 
 
+def device_line() -> str:
+    """The machine the results came from, as every engine benchmark's header says it."""
+    return (
+        f"Device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, {platform.machine()}, "
+        f"JAX {jax.__version__}"
+    )
+
+
 def workloads(vocab: int) -> dict[str, dict]:
     rng = np.random.default_rng(0)
 
@@ -539,9 +547,7 @@ def main() -> None:
         "",
         (__doc__ or "").split("\n\n", 1)[1].split("    nice")[0].strip(),
         "",
-        f"Device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, {platform.machine()}, "
-        f"JAX {jax.__version__}; load average before the run {load:.1f}. One run: "
-        f"`{command}`.",
+        f"{device_line()}; load average before the run {load:.1f}. One run: `{command}`.",
         "",
     ]
     sections, raw = [], {}

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +32,9 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine import EOS, device_line  # noqa: E402  (the long tail's EOS and header)
 
 from pipeline.config import ModelConfig  # noqa: E402
 from tpu_jobs.generate.engine import Completion, Engine, Request  # noqa: E402
@@ -40,7 +42,6 @@ from tpu_jobs.generate.interface import SamplingParams  # noqa: E402
 from tpu_jobs.model.transformer import init_model  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "inflight.md"
-EOS = 2  # as benchmarks/engine.py's long tail
 
 
 def batches(vocab: int, count: int, rows: int, new: int) -> list[list[Request]]:
@@ -140,8 +141,7 @@ def main() -> None:
         "",
         (__doc__ or "").split("\n\n", 2)[2].strip(),  # the method, after title and command
         "",
-        f"Device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, {platform.machine()}, "
-        f"JAX {jax.__version__}; load average before the run {load:.1f}. `{args.preset}` preset "
+        f"{device_line()}; load average before the run {load:.1f}. `{args.preset}` preset "
         f"({args.dtype}), {args.batches} batches of {args.rows} rows, up to {args.new} new "
         f"tokens; {useful:,} useful tokens in all (row lengths: median "
         f"{statistics.median(lengths):.0f}, max {max(lengths)}). Command: `nice -n 5 "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -26,6 +25,9 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine import device_line  # noqa: E402
 
 from pipeline.config import ModelConfig  # noqa: E402
 from tpu_jobs.generate.engine import Engine  # noqa: E402
@@ -104,8 +106,7 @@ def main() -> None:
         "",
         (__doc__ or "").split("\n\n", 1)[1].split("    .venv")[0].strip(),
         "",
-        f"Device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, {platform.machine()}, "
-        f"JAX {jax.__version__}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}. Against the "
+        f"{device_line()}, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}. Against the "
         "row sampled alone in a 1-row program, 24 new tokens.",
         "",
         *table,
