@@ -121,6 +121,8 @@ def judging(run: Run) -> dict:
                 f"self_prm@{K}",
                 f"self_prm_vs_maj@{K}",
                 "judge_auc_within",
+                f"self_conf_vs_maj@{K}",
+                "conf_auc_within",
             )
         }
         hard = rec.get("judge", {}).get("self_prm", {}).get("by_difficulty", {}).get("hard", {})
@@ -172,13 +174,15 @@ def table(rows: list[dict]) -> list[str]:
     out = [
         "| variant | seed | pass@1 | gain pass@1 | gain pass@8 | pass@1 - control | maj@8 "
         "| Self-PRM@8 | Self-PRM@8 - maj@8 (paired) | AUC within a problem | precision, "
-        "hardest tercile | wall | target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "hardest tercile | self-confidence@8 - maj@8 (paired) | its AUC within | wall "
+        "| target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         f = r.get("final", {})
         auc = f.get("judge_auc_within")
         hard = f.get("hard_precision")
+        conf = f.get("conf_auc_within")
         target = "control" if is_control(r) else ("met" if r.get("met") else "**missed**")
         if "error" in r:
             target += f" ({r['error']})"
@@ -191,7 +195,8 @@ def table(rows: list[dict]) -> list[str]:
             f"| {_num(None if cost is None else 100 * cost, '{:+.1f}')} "
             f"| {_ci(f.get(f'maj@{K}'))} | {_ci(f.get(f'self_prm@{K}'))} "
             f"| {_gain(f.get(f'self_prm_vs_maj@{K}'))} | {_num(auc and auc['mean'], '{:.2f}')} "
-            f"| {_num(hard, '{:.2f}')} | {r['wall_s'] / 60:.1f} min | {target} |"
+            f"| {_num(hard, '{:.2f}')} | {_gain(f.get(f'self_conf_vs_maj@{K}'))} "
+            f"| {_num(conf and conf['mean'], '{:.2f}')} | {r['wall_s'] / 60:.1f} min | {target} |"
         )
     return out
 

@@ -48,6 +48,9 @@ from pipeline.tokenizer import TOKENIZERS
 from pipeline.tracking import TrackingConfig
 
 TOKENIZER_NAMES = (*TOKENIZERS, "hf")  # the built-in ones, or the imported one
+# eval.self_conf's aggregates: the names of `pipeline.metrics.CONFIDENCE` (the config
+# imports no registry to check a name; test_config holds the two equal).
+SELF_CONFIDENCE = ("mean", "sum", "min")
 
 # Named model sizes. Field names follow Hugging Face's LlamaConfig/Qwen2Config.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -697,6 +700,11 @@ class EvalConfig:
     # Self-PRM: score every sample with the evaluated version's own p(y)/(p(y)+p(n))
     # (docs/evaluation.md); off skips that forward pass and the self_prm@k / judge metrics.
     self_prm: bool = True
+    # Self-confidence: rank every sample by its own tokens' log-probs under the evaluated
+    # version (the sampler's, so no extra forward pass): "mean" (default), "sum" or "min"
+    # (`SELF_CONFIDENCE`, `pipeline.metrics.CONFIDENCE`), giving self_conf@k, self_conf_vs_maj@k, conf_auc and
+    # conf_auc_within (docs/evaluation.md); "none" leaves them out.
+    self_conf: str = "mean"
     # ORM baseline (tpu_jobs/orm.py): "" = the run's own model config (initialised from the
     # SFT base weights), or a MODEL_PRESETS name (a different shape: trained from scratch).
     orm_preset: str = ""
@@ -716,6 +724,7 @@ class EvalConfig:
         _check(self.every >= 1, "eval.every", self.every, ">= 1")
         _check(isinstance(self.self_prm, bool), "eval.self_prm", self.self_prm, "true or false")
         _check(isinstance(self.orm, bool), "eval.orm", self.orm, "true or false")
+        _one_of("eval.self_conf", self.self_conf, ("none", *SELF_CONFIDENCE))
         if self.orm_preset:
             _one_of("eval.orm_preset", self.orm_preset, ("", *MODEL_PRESETS))
         _check(self.orm_steps >= 0, "eval.orm_steps", self.orm_steps, ">= 0")

@@ -7,6 +7,8 @@
 - `avg_at_k`: mean correctness of the first k samples.
 - `best_of_k`: correctness of the highest-scored of the first k samples (e.g. by a verifier
   or the model's own log-likelihood).
+- `self_confidence`: a sample's score from its own tokens' log-probs under the policy that
+  sampled it (mean, sum or lowest: `CONFIDENCE`), the free reranker beside Self-PRM.
 - `bootstrap_ci`: percentile bootstrap confidence interval over problems.
 - `summarise`: all of the above for several k, each as (mean, lo, hi).
 - Judging (Self-PRM / ORM scores of samples against the verifier): `roc_auc`,
@@ -131,6 +133,41 @@ def best_of_k(scores: ArrayLike, correct: Sequence[bool] | np.ndarray, k: int) -
         raise ValueError(f"k={k} is invalid for {len(s)} samples; allowed: 1..{len(s)}")
     s = np.where(np.isnan(s[:k]), -np.inf, s[:k])
     return bool(correct[int(np.argmax(s))])  # argmax returns the first maximum
+
+
+# How a sample's own token log-probs become one self-confidence score (`eval.self_conf`):
+# the mean is the length-normalised log-likelihood; the sum the sequence's; the lowest
+# token its weakest step (a slip sampled at temperature 1 is a token the policy itself
+# found unlikely).
+CONFIDENCE = {"mean": np.mean, "sum": np.sum, "min": np.min}
+
+
+def self_confidence(
+    logprobs: Sequence[Sequence[float]],
+    how: str,
+    masks: Sequence[Sequence[int]] | None = None,
+) -> np.ndarray:
+    """[N] float64: each sample's log-probs of its own tokens, aggregated by
+    `CONFIDENCE[how]`. `masks` (tool episodes): 1 on the tokens the policy wrote, 0 on the
+    environment's, which are left out. A sample with no token of its own scores -inf (it
+    ranks last in `best_of_k`)."""
+    if how not in CONFIDENCE:
+        raise ValueError(f"self-confidence {how!r} is unknown; allowed: {sorted(CONFIDENCE)}")
+    if masks is not None and len(masks) != len(logprobs):
+        raise ValueError(f"{len(masks)} masks for {len(logprobs)} samples; they must match")
+    out = np.full(len(logprobs), -np.inf)
+    for i, lp in enumerate(logprobs):
+        own = np.asarray(lp, np.float64)
+        if masks is not None:
+            mask = np.asarray(masks[i], bool)
+            if mask.shape != own.shape:
+                raise ValueError(
+                    f"sample {i}: {mask.size} mask entries for {own.size} log-probs; they must match"
+                )
+            own = own[mask]
+        if own.size:
+            out[i] = CONFIDENCE[how](own)
+    return out
 
 
 def bootstrap_ci(

@@ -74,6 +74,10 @@ GLOSSARY = {
     "self_prm_vs_maj": "self_prm_vs_maj@k: self_prm@k minus maj@k per problem, averaged; "
     "its interval is a paired bootstrap (above 0: Self-PRM reranking beats the vote)",
     "orm_vs_maj": "orm_vs_maj@k: orm@k minus maj@k per problem (paired, as above)",
+    "self_conf": "self_conf@k: the sample with the highest self-confidence (its own tokens' "
+    "log-probs under the evaluated version, eval.self_conf) among the first k is correct",
+    "self_conf_vs_maj": "self_conf_vs_maj@k: self_conf@k minus maj@k per problem (paired, as "
+    "above)",
     "mean_reward": "mean_reward: mean verifier reward over all samples",
     "judge_accuracy": "judge_accuracy: P(self-verdict == verifier), verdict = self-score > 0.5",
     "judge_auc": "judge_auc: ROC AUC of the self-score for the verifier's correctness",
@@ -82,9 +86,20 @@ GLOSSARY = {
     "judge_auc_within": "judge_auc_within: ROC AUC of the self-score among one problem's "
     "samples, mean over problems with both correct and wrong samples (what reranking needs)",
     "orm_auc_within": "orm_auc_within: the same within-problem AUC for the ORM score",
+    "conf_auc": "conf_auc: ROC AUC of the self-confidence for the verifier's correctness",
+    "conf_auc_within": "conf_auc_within: the same within-problem AUC for the self-confidence",
 }
 # Columns of the metrics-against-k table (those the record has).
-K_TABLE = ("pass", "maj", "self_prm", "orm", "self_prm_vs_maj", "orm_vs_maj")
+K_TABLE = (
+    "pass",
+    "maj",
+    "self_prm",
+    "orm",
+    "self_conf",
+    "self_prm_vs_maj",
+    "orm_vs_maj",
+    "self_conf_vs_maj",
+)
 # Columns of the co-evolution table (per version).
 COEVOLUTION = (
     "pass@1",
@@ -94,7 +109,10 @@ COEVOLUTION = (
     "orm_accuracy",
     "orm_auc",
     "orm_auc_within",
+    "conf_auc_within",
 )
+# Rerankers whose paired difference with the vote the co-evolution table and figure show.
+RERANK_DIFFS = ("self_prm", "self_conf")
 JUDGE_NAMES = {"self_prm": "self-judge", "orm": "ORM"}  # self-judge: the evaluated version
 
 
@@ -167,9 +185,10 @@ def coevolution_k(evals: list[dict[str, Any]]) -> int | None:
 
 def coevolution_names(evals: list[dict[str, Any]]) -> list[str]:
     """The per-version metrics of the co-evolution table and figure that the records hold:
-    `COEVOLUTION`, then self_prm_vs_maj@k at `coevolution_k`."""
+    `COEVOLUTION`, then self_prm_vs_maj@k and self_conf_vs_maj@k at `coevolution_k`."""
     k = coevolution_k(evals)
-    names = [*COEVOLUTION, *([f"self_prm_vs_maj@{k}"] if k is not None else [])]
+    diffs = [f"{name}_vs_maj@{k}" for name in RERANK_DIFFS] if k is not None else []
+    names = [*COEVOLUTION, *diffs]
     return [n for n in names if any(n in e["metrics"] for e in evals)]
 
 
@@ -197,8 +216,10 @@ FAMILY_ORDER = (
     "avg",
     "self_prm",
     "orm",
+    "self_conf",
     "self_prm_vs_maj",
     "orm_vs_maj",
+    "self_conf_vs_maj",
     "mean_reward",
 )
 JUDGE_ORDER = ("self_prm", "orm")
@@ -280,7 +301,8 @@ def plot_metrics_vs_k(record: dict[str, Any], judge: JudgeProvenance | None = No
     plt = _matplotlib()
     fig, ax = plt.subplots(figsize=(6.5, 4.6))
     ks = _ks(record)
-    for fam, marker in (("pass", "o"), ("maj", "s"), ("self_prm", "^"), ("orm", "D")):
+    families = (("pass", "o"), ("maj", "s"), ("self_prm", "^"), ("orm", "D"), ("self_conf", "v"))
+    for fam, marker in families:
         ms = [(k, record["metrics"].get(f"{fam}@{k}")) for k in ks]
         pts = [(k, m["mean"], m.get("lo"), m.get("hi")) for k, m in ms if m is not None]
         if not pts:
@@ -344,7 +366,7 @@ def plot_judge_vs_pass(evals: list[dict[str, Any]], judge: JudgeProvenance | Non
     k = coevolution_k(evals)
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
     for name, pts in series.items():
-        if not name.startswith("self_prm_vs_maj@"):
+        if "_vs_maj@" not in name:
             _errorbar(ax1, pts, marker="o", label=name)
     ax1.axhline(0.5, color="grey", ls=":", lw=1)  # an AUC's chance level
     ax1.set_xlabel("weight version")
@@ -353,21 +375,23 @@ def plot_judge_vs_pass(evals: list[dict[str, Any]], judge: JudgeProvenance | Non
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     ax1.set_title("judging and solving per version (95% CI; dotted: AUC chance)", fontsize=10)
-    diff = f"self_prm_vs_maj@{k}"
-    if diff in series:
-        _errorbar(ax2, series[diff], marker="^", color="C3", label=f"self_prm@{k} - maj@{k}")
-        ax2.legend(fontsize=8)
-    else:
+    diffs = [(f"{name}_vs_maj@{k}", name) for name in RERANK_DIFFS]
+    for (diff, name), marker, color in zip(diffs, "^v", ("C3", "C4"), strict=True):
+        if diff in series:
+            _errorbar(ax2, series[diff], marker=marker, color=color, label=f"{name}@{k} - maj@{k}")
+            ax2.legend(fontsize=8)
+    if not any(diff in series for diff, _ in diffs):
         ax2.text(
             0.5, 0.5, "no self_prm_vs_maj@k in the records", ha="center", transform=ax2.transAxes
         )
-    ax2.axhline(0, color="black", lw=1)  # above: Self-PRM reranking beats the vote
+    ax2.axhline(0, color="black", lw=1)  # above: the reranking beats the vote
     ax2.set_xlabel("weight version")
     ax2.xaxis.get_major_locator().set_params(integer=True)
-    ax2.set_ylabel(f"self_prm@{k} - maj@{k} (paired, per problem)")
+    ax2.set_ylabel(f"reranker@{k} - maj@{k} (paired, per problem)")
     ax2.grid(alpha=0.3)
     ax2.set_title(
-        f"Self-PRM@{k} - maj@{k} per version\n(paired 95% CI; above 0: reranking beats the vote)",
+        f"Self-PRM@{k} and self-confidence@{k} - maj@{k} per version\n(paired 95% CI; above 0: "
+        "reranking beats the vote)",
         fontsize=10,
     )
     solve = {v: mean for v, mean, _, _ in series.get("pass@1", [])}

@@ -49,6 +49,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,7 @@ from pipeline.metrics import (
     judge_stats_by_bucket,
     maj_at_k,
     pass_at_k,
+    self_confidence,
     tool_use_stats,
     within_problem_auc,
 )
@@ -80,8 +82,26 @@ from tpu_jobs.generate.sample_verify import EVAL_STREAM, sample_keys
 from tpu_jobs.model.judge import load_orm, self_scores
 
 JUDGE_THRESHOLD = 0.5  # a judge says "correct" when its score p(y)/(p(y)+p(n)) > this
-# Rerankers: metric prefix -> (per-sample score column, prefix of accuracy / auc metrics).
-SCORERS = {"self_prm": ("self_score", "judge"), "orm": ("orm_score", "orm")}
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A reranker of an evaluation's samples: its per-sample score `column` in the samples
+    table and the `prefix` of its AUC metrics ({prefix}_auc, {prefix}_auc_within). A
+    `verdict` score is a probability that the sample is right, so it also has an accuracy
+    at `JUDGE_THRESHOLD` and a judge report; a confidence (a log-prob) only ranks."""
+
+    column: str
+    prefix: str
+    verdict: bool
+
+
+# Rerankers: metric prefix ({name}@k, {name}_vs_maj@k) -> its Scorer.
+SCORERS = {
+    "self_prm": Scorer("self_score", "judge", verdict=True),
+    "orm": Scorer("orm_score", "orm", verdict=True),
+    "self_conf": Scorer("conf_score", "conf", verdict=False),
+}
 DIFFICULTY_NOTE = (
     "difficulty = the problem's pass rate over its n samples at the evaluated version; "
     "problems sorted by it (ties by problem order) and split by rank into terciles "
@@ -133,8 +153,10 @@ def summarise_samples(
             # Paired per problem: its interval says whether reranking beats the vote.
             per_problem[f"{name}_vs_maj@{k}"] = per_problem[f"{name}@{k}"] - per_problem[f"maj@{k}"]
     for name, s in (scores or {}).items():
-        # Every problem has n samples, so the mean of per-problem accuracies is the accuracy.
-        per_problem[f"{SCORERS[name][1]}_accuracy"] = ((s > JUDGE_THRESHOLD) == correct).mean(1)
+        if SCORERS[name].verdict:
+            # Every problem has n samples, so the mean of per-problem accuracies is the accuracy.
+            accuracy = ((s > JUDGE_THRESHOLD) == correct).mean(1)
+            per_problem[f"{SCORERS[name].prefix}_accuracy"] = accuracy
 
     def interval(values: np.ndarray) -> dict[str, float]:
         mean, lo, hi = bootstrap_ci(values, n_boot=n_boot, seed=seed)
@@ -144,21 +166,23 @@ def summarise_samples(
     for name, s in (scores or {}).items():
         auc = bootstrap_auc(s, correct, n_boot=n_boot, seed=seed)
         if auc is not None:
-            out[f"{SCORERS[name][1]}_auc"] = dict(zip(("mean", "lo", "hi"), auc, strict=True))
+            out[f"{SCORERS[name].prefix}_auc"] = dict(zip(("mean", "lo", "hi"), auc, strict=True))
         within = within_problem_auc(s, correct)  # one value per problem with both outcomes
         if len(within):
-            out[f"{SCORERS[name][1]}_auc_within"] = interval(within)
+            out[f"{SCORERS[name].prefix}_auc_within"] = interval(within)
     return out
 
 
 def judge_report(scores: dict[str, np.ndarray], correct: np.ndarray) -> dict[str, Any]:
-    """{SCORERS key: {"overall": judge_stats, "by_difficulty": {hard|medium|easy: stats}}}."""
+    """{SCORERS key: {"overall": judge_stats, "by_difficulty": {hard|medium|easy: stats}}}
+    for the verdict scorers (a confidence has no verdict to count)."""
     return {
         name: {
             "overall": judge_stats(s, correct, JUDGE_THRESHOLD),
             "by_difficulty": judge_stats_by_bucket(s, correct, JUDGE_THRESHOLD),
         }
         for name, s in scores.items()
+        if SCORERS[name].verdict
     }
 
 
@@ -330,6 +354,10 @@ class Evaluator:
             columns["self_score"] = self_scores(
                 policy.model, self.tok, judged_prompts, completion_ids, batch_size=ec.batch_size
             )
+        if ec.self_conf != "none":  # free: the sampler's log-probs of the sample's own tokens
+            columns["conf_score"] = self_confidence(
+                scored.logprobs, ec.self_conf, scored.loss_masks
+            )
         orm = self.orm()
         if orm is not None:
             columns["orm_score"] = self_scores(
@@ -348,9 +376,9 @@ class Evaluator:
         answers = [cols["answer"][i * n : (i + 1) * n] for i in range(p)]
         correct = rewards >= 1.0
         scores = {
-            name: np.asarray(cols[col], np.float64).reshape(p, n)
-            for name, (col, _) in SCORERS.items()
-            if col in cols
+            name: np.asarray(cols[scorer.column], np.float64).reshape(p, n)
+            for name, scorer in SCORERS.items()
+            if scorer.column in cols
         }
         tasks = [cols["task"][i * n] for i in range(p)]
 
@@ -378,7 +406,7 @@ class Evaluator:
         }
         if "turns" in cols:  # tool episodes: how they used the tool
             record["tools"] = tool_use_stats(cols["turns"], cols["tool_calls"], cols["tool_errors"])
-        if scores:
+        if any(SCORERS[name].verdict for name in scores):
             record["judge"] = judge_report(scores, correct)
             record["judge_threshold"] = JUDGE_THRESHOLD
             record["difficulty"] = DIFFICULTY_NOTE

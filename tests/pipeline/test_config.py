@@ -587,6 +587,7 @@ NEW_KEYS = (
     "trainer.routing_replay",
     "rollout.inflight_batches",
     "sampler.vllm_weight_transfer",
+    "eval.self_conf",
     *(
         f"model.{name}"
         for name in (
@@ -657,6 +658,13 @@ def _project_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("pipeline"))
     return out
+
+
+def test_self_confidence_names_are_the_metrics_registry():
+    from pipeline.config import SELF_CONFIDENCE
+    from pipeline.metrics import CONFIDENCE
+
+    assert tuple(CONFIDENCE) == SELF_CONFIDENCE
 
 
 def test_each_section_lives_with_its_owner_and_none_reaches_back_to_the_run_config():

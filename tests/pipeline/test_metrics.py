@@ -19,6 +19,7 @@ from pipeline.metrics import (
     pass_at_k,
     pass_at_k_array,
     roc_auc,
+    self_confidence,
     summarise,
     within_problem_auc,
 )
@@ -291,3 +292,21 @@ def test_tool_use_stats_by_hand():
     }
     assert tool_use_stats([None], [None], [None]) == {}
     assert tool_use_stats([1], [0], [[]])["tool_success_rate"] is None
+
+
+def test_self_confidence_aggregates_a_samples_own_tokens():
+    lps = [[-0.1, -0.2, -0.6], [-1.0], []]
+    assert self_confidence(lps, "mean").tolist() == pytest.approx([-0.3, -1.0, -np.inf])
+    assert self_confidence(lps, "sum").tolist() == pytest.approx([-0.9, -1.0, -np.inf])
+    assert self_confidence(lps, "min").tolist() == pytest.approx([-0.6, -1.0, -np.inf])
+    # A tool episode's observation tokens (mask 0) are the environment's, not the policy's.
+    masked = self_confidence(lps, "mean", masks=[[1, 0, 1], [0], []])
+    assert masked.tolist() == pytest.approx([-0.35, -np.inf, -np.inf])
+    # A sample without tokens of its own ranks last in best-of-k.
+    assert best_of_k(self_confidence([[], [-5.0]], "mean"), [True, False], 2) is False
+    with pytest.raises(ValueError, match="'median' is unknown; allowed"):
+        self_confidence(lps, "median")
+    with pytest.raises(ValueError, match="2 masks for 3 samples"):
+        self_confidence(lps, "mean", masks=[[1, 1, 1], [1]])
+    with pytest.raises(ValueError, match="sample 0: 2 mask entries for 3 log-probs"):
+        self_confidence(lps, "mean", masks=[[1, 1], [1], []])

@@ -129,6 +129,7 @@ def _eval_records() -> list[dict]:
         "judge_accuracy": _iv(0.6, 0.55, 0.65),
         "judge_auc": _iv(0.7, 0.6, 0.8),
         "judge_auc_within": _iv(0.55, 0.45, 0.65),
+        "self_conf_vs_maj@8": _iv(0.02, 0.01, 0.03),
     }
     v0 = {
         "pass@1": _iv(0.25, 0.2, 0.3),
@@ -157,6 +158,7 @@ def test_coevolution_series_per_version_at_the_largest_k():
         "judge_auc": [(0, 0.5, 0.4, 0.6), (4, 0.7, 0.6, 0.8)],
         "judge_auc_within": [(4, 0.55, 0.45, 0.65)],
         "self_prm_vs_maj@8": [(0, 0.0, None, None), (4, -0.1, -0.2, -0.05)],
+        "self_conf_vs_maj@8": [(4, 0.02, 0.01, 0.03)],
     }
     # Without Self-PRM (eval.self_prm off) there is no difference to plot.
     plain = [{"version": 0, "metrics": {"pass@1": _iv(0.25, 0.2, 0.3)}}]
@@ -194,14 +196,16 @@ def test_report_says_what_judged_self_prm_beside_the_within_problem_auc(tmp_path
     )
     # The co-evolution table: the paired difference at k = 8 per version, v0 first.
     head = lines.index(
-        "| version | pass@1 | judge_accuracy | judge_auc | judge_auc_within | self_prm_vs_maj@8 |"
+        "| version | pass@1 | judge_accuracy | judge_auc | judge_auc_within | self_prm_vs_maj@8 "
+        "| self_conf_vs_maj@8 |"
     )
     assert lines[head + 2] == (
-        "| v0 | 0.250 [0.200, 0.300] | 0.500 [0.450, 0.550] | 0.500 [0.400, 0.600] | – | 0.000 |"
+        "| v0 | 0.250 [0.200, 0.300] | 0.500 [0.450, 0.550] | 0.500 [0.400, 0.600] | – | 0.000 "
+        "| – |"
     )
     assert lines[head + 3] == (
         "| v4 | 0.500 [0.400, 0.600] | 0.600 [0.550, 0.650] | 0.700 [0.600, 0.800] | "
-        "0.550 [0.450, 0.650] | -0.100 [-0.200, -0.050] |"
+        "0.550 [0.450, 0.650] | -0.100 [-0.200, -0.050] | 0.020 [0.010, 0.030] |"
     )
 
 

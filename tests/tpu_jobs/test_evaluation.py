@@ -197,6 +197,34 @@ def test_self_prm_reranking_on_constructed_scores():
     assert out["orm_auc_within"]["mean"] == 1.0
 
 
+def test_self_confidence_ranks_without_a_verdict():
+    """A confidence (a log-prob, not a probability) reranks and has AUCs, but no accuracy
+    at the judge threshold and no judge report."""
+    from tpu_jobs.evaluator import judge_report, summarise_samples
+
+    correct = np.array([[False, True, True, False], [True, False, False, False]])
+    answers = [["1", "2", "2", "1"], ["3", "4", "4", "5"]]
+    conf = np.array([[-2.0, -0.5, -0.7, -3.0], [-1.0, -0.2, -0.9, -4.0]])
+    out = summarise_samples(
+        correct,
+        answers,
+        correct.astype(np.float32),
+        (2, 4),
+        n_boot=50,
+        seed=0,
+        scores={"self_conf": conf},
+    )
+    # k=2: problem 0 picks sample 1 (right), problem 1 sample 1 (wrong); k=4 the same picks.
+    assert out["self_conf@2"]["mean"] == pytest.approx(0.5)
+    assert out["self_conf@4"]["mean"] == pytest.approx(0.5)
+    # maj@4: problem 0 "1"/"2" tie -> "1" (wrong); problem 1 "4" (wrong).
+    assert out["self_conf_vs_maj@4"]["mean"] == pytest.approx(0.5)
+    # Within problem 0 both right samples outrank both wrong ones; problem 1 1/3 of pairs.
+    assert out["conf_auc_within"]["mean"] == pytest.approx((1 + 1 / 3) / 2)
+    assert "conf_accuracy" not in out and "conf_auc" in out
+    assert judge_report({"self_conf": conf}, correct) == {}
+
+
 def test_orm_learns_planted_labels_and_is_idempotent(small_run):
     from pipeline.run import orm_server
     from tpu_jobs.orm import train_orm
@@ -224,6 +252,7 @@ def test_real_evaluation_has_self_and_orm_scores(small_run):
     for col in ("self_score", "orm_score"):
         s = np.asarray(table[col])
         assert s.shape == (n_rows,) and np.all((s >= 0) & (s <= 1))
+    assert "self_conf@4" in rec["metrics"] and "self_conf_vs_maj@4" in rec["metrics"]
     for name in ("pass@4", "maj@4", "self_prm@1", "self_prm@4", "orm@4", "judge_accuracy"):
         m = rec["metrics"][name]
         assert 0.0 <= m["lo"] <= m["mean"] <= m["hi"] <= 1.0
@@ -233,6 +262,44 @@ def test_real_evaluation_has_self_and_orm_scores(small_run):
     correct = np.asarray(table["reward"]) >= 1
     acc = float(((np.asarray(table["self_score"]) > 0.5) == correct).mean())
     assert rec["metrics"]["judge_accuracy"]["mean"] == pytest.approx(acc)
+
+
+def test_self_confidence_is_the_mean_log_prob_of_the_samples_own_tokens(small_run):
+    """The stored conf_score against an independent teacher-forced pass of the evaluated
+    version over prompt + completion (`sequence_logprobs`), on every sample whose text gives
+    back its tokens: no token that decodes to nothing or to UNK (a random model samples
+    those), and EOS at its end unless it stopped at the token limit."""
+    import jax.numpy as jnp
+
+    from pipeline.run import policy_reader
+    from pipeline.tokenizer.run import run_tokenizer
+    from tpu_jobs.model.state import flat_to_params, new_model
+    from tpu_jobs.model.transformer import sequence_logprobs
+
+    run = small_run["run"]
+    table = table_from_bytes(run.store.read("eval/v00000000.parquet")).to_pydict()
+    problems = {p.problem_id: p for p in run.read_problems("eval")}
+    tok = run_tokenizer(run)
+    fns, params = new_model(run.config.model, run.config.seed)
+    model = fns.merge(flat_to_params(fns, params, policy_reader(run).pull(0).tensors))
+    limit = run.config.sampler.max_new_tokens
+    checked = 0
+    for pid, text, n, conf in zip(
+        table["problem_id"],
+        table["completion"],
+        table["num_tokens"],
+        table["conf_score"],
+        strict=True,
+    ):
+        completion = tok.encode(text) if n == limit else tok.encode_completion(text)
+        if len(completion) != n or tok.unk_id in completion:
+            continue
+        prompt = tok.encode_prompt(problems[pid].prompt)
+        tokens = jnp.asarray([prompt + completion])
+        lp = sequence_logprobs(model, tokens, jnp.ones_like(tokens), run.config.eval.temperature)
+        assert conf == pytest.approx(float(lp[0, len(prompt) :].mean()), abs=1e-4)
+        checked += 1
+    assert checked >= 3, checked
 
 
 def test_eval_k_option_new_key_idempotent_and_resummarised(small_run, capsys):
@@ -348,7 +415,7 @@ def test_orm_role_and_tensorboard_command_are_wired():
     assert args.follow and args.logdir is None and args.func.__name__ == "cmd_tensorboard"
 
 
-def test_self_prm_can_be_turned_off(small_run):
+def test_self_prm_and_self_confidence_can_be_turned_off(small_run):
     import dataclasses
 
     from pipeline.config import ConfigError
@@ -356,19 +423,24 @@ def test_self_prm_can_be_turned_off(small_run):
 
     run = small_run["run"]
     cfg = run.config
-    off = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, self_prm=False))
+    off = dataclasses.replace(
+        cfg, eval=dataclasses.replace(cfg.eval, self_prm=False, self_conf="none")
+    )
     ev = Evaluator(Run(url=run.url, store=run.store, config=off), log=lambda m: None)
     ev.policy.load(ev.reader.pull(0))
     table = ev._sample_and_score(0, ev.policy)
-    assert "self_score" not in table.column_names and "orm_score" in table.column_names
+    assert "orm_score" in table.column_names
+    assert "self_score" not in table.column_names and "conf_score" not in table.column_names
     rec = ev.summarise_table(0, table)
     assert "self_prm@4" not in rec["metrics"] and "orm@4" in rec["metrics"]
+    assert "self_conf@4" not in rec["metrics"]
     assert set(rec["judge"]) == {"orm"}
     assert tiny_config("eval.self_prm=false").eval.self_prm is False
     for bad, field in (
         ("eval.orm_preset=huge", "eval.orm_preset"),
         ("eval.orm_holdout=1", "eval.orm_holdout"),
         ("eval.self_prm=maybe", "eval.self_prm"),
+        ("eval.self_conf=median", "eval.self_conf"),
     ):
         with pytest.raises(ConfigError, match=field):
             tiny_config(bad)
