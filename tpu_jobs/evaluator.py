@@ -12,8 +12,11 @@ judge suffix), giving self_prm@k (best of the first k by self-score), judge_accu
 judge_auc, judge_auc_within (the AUC among one problem's samples, averaged over problems
 with both outcomes: what reranking needs) and the judge's precision / recall by
 difficulty tercile; when the run has an ORM (`tpu_jobs/orm.py`, `orm/` parameter server)
-its scores give orm@k, orm_accuracy, orm_auc and orm_auc_within the same way.
-docs/evaluation.md defines every metric.
+its scores give orm@k, orm_accuracy, orm_auc and orm_auc_within the same way. With
+`eval.self_conf` (default "mean") every sample is also ranked by its own tokens' log-probs
+under the evaluated version, as the sampler returned them (`pipeline.metrics.self_confidence`):
+self_conf@k, self_conf_vs_maj@k, conf_auc and conf_auc_within. docs/evaluation.md defines
+every metric.
 
 Writes `eval/v{N:08d}.parquet` (one row per sample) create-only and a summary record
 under `metrics/eval/`; a version already evaluated is skipped. Every version is sampled
