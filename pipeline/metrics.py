@@ -162,7 +162,8 @@ def self_confidence(
             mask = np.asarray(masks[i], bool)
             if mask.shape != own.shape:
                 raise ValueError(
-                    f"sample {i}: {mask.size} mask entries for {own.size} log-probs; they must match"
+                    f"sample {i}: {mask.size} mask entries for {own.size} log-probs; "
+                    "they must match"
                 )
             own = own[mask]
         if own.size:
