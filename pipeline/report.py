@@ -89,17 +89,12 @@ GLOSSARY = {
     "conf_auc": "conf_auc: ROC AUC of the self-confidence for the verifier's correctness",
     "conf_auc_within": "conf_auc_within: the same within-problem AUC for the self-confidence",
 }
+# The rerankers of an evaluation (`tpu_jobs.evaluator.SCORERS`), in reading order, and
+# their paired differences with the vote.
+RERANKERS = ("self_prm", "orm", "self_conf")
+VS_MAJ = tuple(f"{name}_vs_maj" for name in RERANKERS)
 # Columns of the metrics-against-k table (those the record has).
-K_TABLE = (
-    "pass",
-    "maj",
-    "self_prm",
-    "orm",
-    "self_conf",
-    "self_prm_vs_maj",
-    "orm_vs_maj",
-    "self_conf_vs_maj",
-)
+K_TABLE = ("pass", "maj", *RERANKERS, *VS_MAJ)
 # Columns of the co-evolution table (per version).
 COEVOLUTION = (
     "pass@1",
@@ -210,18 +205,7 @@ def _family(name: str) -> str:
     return name.split("@", 1)[0] if "@" in name else name
 
 
-FAMILY_ORDER = (
-    "pass",
-    "maj",
-    "avg",
-    "self_prm",
-    "orm",
-    "self_conf",
-    "self_prm_vs_maj",
-    "orm_vs_maj",
-    "self_conf_vs_maj",
-    "mean_reward",
-)
+FAMILY_ORDER = ("pass", "maj", "avg", *RERANKERS, *VS_MAJ, "mean_reward")
 JUDGE_ORDER = ("self_prm", "orm")
 BUCKET_ORDER = ("hard", "medium", "easy")
 
