@@ -213,8 +213,10 @@ def temperature(run: Run, version: int, value: float) -> None:
         f"{k} {m[k]['mean']:.3f} [{m[k]['lo']:.3f}, {m[k]['hi']:.3f}]"
         for k in ("pass@1", f"maj@{K}", f"self_prm@{K}", f"self_prm_vs_maj@{K}")
     ]
-    auc = m["judge_auc_within"]["mean"]
-    print(f"v{version} at temperature {value}: " + ", ".join(parts) + f", AUC within {auc:.3f}")
+    # No problem has both outcomes when every sample is the same (temperature 0): no AUC.
+    within = m.get("judge_auc_within")
+    auc = "none (no problem with both outcomes)" if within is None else f"{within['mean']:.3f}"
+    print(f"v{version} at temperature {value}: " + ", ".join(parts) + f", AUC within {auc}")
 
 
 def main() -> int:
