@@ -701,10 +701,10 @@ class EvalConfig:
     # (docs/evaluation.md); off skips that forward pass and the self_prm@k / judge metrics.
     self_prm: bool = True
     # Self-confidence: rank every sample by its own tokens' log-probs under the evaluated
-    # version (the sampler's, so no extra forward pass): "mean" (default), "sum" or "min"
-    # (`SELF_CONFIDENCE`, `pipeline.metrics.CONFIDENCE`), giving self_conf@k,
-    # self_conf_vs_maj@k, conf_auc and conf_auc_within (docs/evaluation.md); "none" leaves
-    # them out.
+    # version at eval.temperature (the sampler's, so no extra forward pass): "mean"
+    # (default), "sum" or "min" (`SELF_CONFIDENCE`, `pipeline.metrics.CONFIDENCE`), giving
+    # self_conf@k, self_conf_vs_maj@k, conf_auc and conf_auc_within (docs/evaluation.md);
+    # "none" leaves them out.
     self_conf: str = "mean"
     # ORM baseline (tpu_jobs/orm.py): "" = the run's own model config (initialised from the
     # SFT base weights), or a MODEL_PRESETS name (a different shape: trained from scratch).

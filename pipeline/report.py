@@ -172,9 +172,10 @@ Point = tuple[int, float, float | None, float | None]
 
 
 def coevolution_k(evals: list[dict[str, Any]]) -> int | None:
-    """The largest k whose paired self_prm_vs_maj@k the records hold (None: no Self-PRM)."""
-    prefix = "self_prm_vs_maj@"
-    ks = [int(n[len(prefix) :]) for e in evals for n in e["metrics"] if n.startswith(prefix)]
+    """The largest k whose paired self_prm_vs_maj@k or self_conf_vs_maj@k the records hold
+    (None: neither reranker was evaluated)."""
+    prefixes = tuple(f"{name}_vs_maj@" for name in RERANK_DIFFS)
+    ks = [int(n.split("@", 1)[1]) for e in evals for n in e["metrics"] if n.startswith(prefixes)]
     return max(ks, default=None)
 
 
@@ -342,8 +343,8 @@ def plot_judge_buckets(record: dict[str, Any]) -> bytes:
 def plot_judge_vs_pass(evals: list[dict[str, Any]], judge: JudgeProvenance | None = None) -> bytes:
     """The co-evolution of judging and solving, from `coevolution_series`: per version,
     pass@1 with the judge's accuracy and AUCs (pooled and within a problem); per version,
-    self_prm@k - maj@k at the largest k (paired 95% interval: above 0, reranking by the
-    self-judge beats the vote); and judge accuracy and within-problem AUC against pass@1
+    self_prm@k - maj@k and self_conf@k - maj@k at the largest k (paired 95% interval: above
+    0, the reranking beats the vote); and judge accuracy and within-problem AUC against pass@1
     (each point a version). `judge` (the run's `judge_provenance`) titles the figure."""
     plt = _matplotlib()
     series = coevolution_series(evals)
@@ -366,7 +367,11 @@ def plot_judge_vs_pass(evals: list[dict[str, Any]], judge: JudgeProvenance | Non
             ax2.legend(fontsize=8)
     if not any(diff in series for diff, _ in diffs):
         ax2.text(
-            0.5, 0.5, "no self_prm_vs_maj@k in the records", ha="center", transform=ax2.transAxes
+            0.5,
+            0.5,
+            "no self_prm_vs_maj@k or self_conf_vs_maj@k in the records",
+            ha="center",
+            transform=ax2.transAxes,
         )
     ax2.axhline(0, color="black", lw=1)  # above: the reranking beats the vote
     ax2.set_xlabel("weight version")
@@ -519,7 +524,7 @@ def build_report(run: Run) -> str:
             lines += _bucket_section(rich)
             pngs[f"{REPORT_PREFIX}/judge_buckets.png"] = plot_judge_buckets(rich)
             lines += ["", "![judgment by difficulty](judge_buckets.png)", ""]
-        if any("judge_accuracy" in e["metrics"] for e in evals):
+        if len(coevolution_names(evals)) > 1:  # more than pass@1: a judge or a confidence
             lines += _coevolution_section(evals, judge)
             pngs[f"{REPORT_PREFIX}/judge_vs_pass.png"] = plot_judge_vs_pass(evals, judge)
             lines += ["", "![co-evolution of judging and solving](judge_vs_pass.png)", ""]
@@ -615,7 +620,8 @@ def _coevolution_section(evals: list[dict[str, Any]], judge: JudgeProvenance) ->
         f"Self-judge: {judge.text}. Whether judging rose with solving: the judge's accuracy "
         "and AUCs (pooled, and within a problem: what reranking needs) next to pass@1, and "
         "self_prm@k - maj@k at the largest k (paired per problem; above 0: the self-judge's "
-        "pick beats the vote).",
+        "pick beats the vote); beside them the self-confidence's within-problem AUC and "
+        "self_conf@k - maj@k (the sample's own token log-probs, no judge).",
         "",
         "| version | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),

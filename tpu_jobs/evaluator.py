@@ -409,6 +409,8 @@ class Evaluator:
         }
         if "turns" in cols:  # tool episodes: how they used the tool
             record["tools"] = tool_use_stats(cols["turns"], cols["tool_calls"], cols["tool_errors"])
+        if "self_conf" in scores:  # the aggregate behind the stored column (the run's)
+            record["self_conf"] = ec.self_conf
         if any(SCORERS[name].verdict for name in scores):
             record["judge"] = judge_report(scores, correct)
             record["judge_threshold"] = JUDGE_THRESHOLD

@@ -160,10 +160,18 @@ def test_coevolution_series_per_version_at_the_largest_k():
         "self_prm_vs_maj@8": [(0, 0.0, None, None), (4, -0.1, -0.2, -0.05)],
         "self_conf_vs_maj@8": [(4, 0.02, 0.01, 0.03)],
     }
-    # Without Self-PRM (eval.self_prm off) there is no difference to plot.
+    # Without Self-PRM or self-confidence there is no difference to plot.
     plain = [{"version": 0, "metrics": {"pass@1": _iv(0.25, 0.2, 0.3)}}]
     assert coevolution_k(plain) is None
     assert coevolution_series(plain) == {"pass@1": [(0, 0.25, 0.2, 0.3)]}
+    # eval.self_prm off, self-confidence on: its difference alone, at its own largest k.
+    conf = {"pass@1": _iv(0.25, 0.2, 0.3), "self_conf_vs_maj@4": _iv(0.02, 0.0, 0.04)}
+    conf_only = [{"version": 0, "metrics": conf}]
+    assert coevolution_k(conf_only) == 4
+    assert coevolution_series(conf_only) == {
+        "pass@1": [(0, 0.25, 0.2, 0.3)],
+        "self_conf_vs_maj@4": [(0, 0.02, 0.0, 0.04)],
+    }
 
 
 def _report_of(tmp_path, name: str) -> str:

@@ -253,6 +253,7 @@ def test_real_evaluation_has_self_and_orm_scores(small_run):
         s = np.asarray(table[col])
         assert s.shape == (n_rows,) and np.all((s >= 0) & (s <= 1))
     assert "self_conf@4" in rec["metrics"] and "self_conf_vs_maj@4" in rec["metrics"]
+    assert rec["self_conf"] == "mean"  # the aggregate behind the stored column
     for name in ("pass@4", "maj@4", "self_prm@1", "self_prm@4", "orm@4", "judge_accuracy"):
         m = rec["metrics"][name]
         assert 0.0 <= m["lo"] <= m["mean"] <= m["hi"] <= 1.0
