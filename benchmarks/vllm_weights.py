@@ -9,9 +9,10 @@ same run:
   `/collective_rpc` "reload_weights" with its path;
 * shm (the default now): the HF tensors (`hf_checkpoint.hf_views` of the job's arrays,
   in bfloat16 when the server computes in bfloat16, else float32) written once each into
-  one POSIX shared-memory block (`vllm_worker_ext.put_weights`), then `/collective_rpc` "load_weights_from_shm" with its manifest, which the
-  worker extension (`tpu_jobs.generate.vllm_worker_ext`) feeds to the same
-  `reload_weights` as a weights iterator; the block is unlinked after.
+  one POSIX shared-memory block (`vllm_worker_ext.put_weights`), then `/collective_rpc`
+  "load_weights_from_shm" with its manifest, which the worker extension
+  (`tpu_jobs.generate.vllm_worker_ext`) feeds to the same `reload_weights` as a weights
+  iterator; the block is unlinked after.
 
 Both then reset the prefix cache. Time per version = `VllmSampler.load_weights` from the
 job's arrays to a server ready on the new weights (untie + merge, export or copy, RPC,
