@@ -360,12 +360,15 @@ def plot_judge_vs_pass(evals: list[dict[str, Any]], judge: JudgeProvenance | Non
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8)
     ax1.set_title("judging and solving per version (95% CI; dotted: AUC chance)", fontsize=10)
-    diffs = [(f"{name}_vs_maj@{k}", name) for name in RERANK_DIFFS]
-    for (diff, name), marker, color in zip(diffs, "^v", ("C3", "C4"), strict=True):
+    drawn = False
+    for name, marker, color in zip(RERANK_DIFFS, "^v", ("C3", "C4"), strict=True):
+        diff = f"{name}_vs_maj@{k}"
         if diff in series:
             _errorbar(ax2, series[diff], marker=marker, color=color, label=f"{name}@{k} - maj@{k}")
-            ax2.legend(fontsize=8)
-    if not any(diff in series for diff, _ in diffs):
+            drawn = True
+    if drawn:
+        ax2.legend(fontsize=8)
+    else:
         ax2.text(
             0.5,
             0.5,
