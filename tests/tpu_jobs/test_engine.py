@@ -9,6 +9,7 @@ pool's reference counts are checked against the rows' block tables after each ch
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from tests.tpu_jobs.test_sampler import CFG, EOS, PAD, PROMPTS, TRIGGERS, keys_f
 from tpu_jobs.generate.decode_layouts import DECODE_LAYOUTS
 from tpu_jobs.generate.engine import Engine, Request, Resume
 from tpu_jobs.generate.interface import SamplingParams
-from tpu_jobs.generate.kv_pages import PagePool, PoolExhausted
+from tpu_jobs.generate.kv_pages import PACKED_PAGES, PagePool, PoolExhausted, pack, unpack
 from tpu_jobs.generate.static_sampler import StaticSampler
 from tpu_jobs.generate.vllm_sampler import VllmSampler
 from tpu_jobs.model.transformer import init_model
@@ -265,3 +266,36 @@ def test_default_row_buckets_are_powers_of_two():
     assert Engine(CFG, max_slots=64).slot_buckets == (4, 8, 16, 32, 64)
     assert Engine(CFG, max_slots=48).slot_buckets == (4, 8, 16, 32, 48)
     assert Engine(CFG, max_slots=2).slot_buckets == (2,)
+
+
+def test_packed_bfloat16_pages_hold_the_exact_bits():
+    """A bfloat16 pool on XLA:CPU is uint32 words, two head-dim values each (little end
+    first): NumPy's view of the same bfloat16 bits, and unpacking gives them back."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((3, 2, 8)) * 100, jnp.bfloat16)
+    like = jnp.zeros((1, 4), jnp.uint32)
+    words = pack(x, like)
+    assert words.dtype == jnp.uint32 and words.shape == (3, 2, 4)
+    np.testing.assert_array_equal(np.asarray(words), np.asarray(x).view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(unpack(words)).view(np.uint16),
+                                  np.asarray(x).view(np.uint16))  # fmt: skip
+    plain = jnp.zeros((1, 8), jnp.float32)
+    np.testing.assert_array_equal(pack(x, plain), np.asarray(x, np.float32))
+    assert unpack(plain) is plain
+
+
+def test_bfloat16_engine_is_the_same_with_packed_or_plain_pages(model, keys, monkeypatch):
+    """bfloat16 rows through packed pages (the XLA:CPU default) and through a plain
+    bfloat16 pool: the same tokens and log-probs, bit for bit."""
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, dtype="bfloat16")
+    packed = engine()
+    out = packed.generate(model, ROWS, keys, params)
+    assert packed.pages.k[0].dtype == jnp.uint32
+    assert packed.pages.k[0].shape[-1] == CFG.head_dim // 2
+    monkeypatch.delitem(PACKED_PAGES, ("cpu", "bfloat16"))
+    plain = engine()
+    ref = plain.generate(model, ROWS, keys, params)
+    assert plain.pages.k[0].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.lengths, ref.lengths)
+    np.testing.assert_array_equal(out.logprobs, ref.logprobs)
+    assert (out.lengths >= 4).sum() >= 10 and packed.stats["preemptions"] > 0  # paged, preempted

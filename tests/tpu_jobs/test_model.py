@@ -12,6 +12,7 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from tests.tpu_jobs.random_weights import random_model
+from tpu_jobs.model.matmul import matmul
 from tpu_jobs.model.transformer import (
     flat_params,
     init_cache,
@@ -303,3 +304,24 @@ def test_bfloat16_compute_close_to_float32():
     real = mask == 1
     err = np.abs(np.asarray(lo) - np.asarray(hi))[real].max()
     assert 0 < err < 0.1 * np.abs(np.asarray(hi)[real]).max()
+
+
+def test_matmul_accumulates_in_float32_and_keeps_the_operands_dtype():
+    """float32 operands: the plain dot, bit for bit. bfloat16 operands: the float32
+    product of the bfloat16 values (NumPy), rounded once to bfloat16 (or kept float32 when
+    asked): the fast XLA:CPU kernel, and no bfloat16 rounding inside the sum."""
+    rng = np.random.default_rng(0)
+    a32 = rng.standard_normal((5, 96), np.float32)
+    b32 = rng.standard_normal((96, 7), np.float32)
+    out = matmul(jnp.asarray(a32), jnp.asarray(b32))
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, jnp.asarray(a32) @ jnp.asarray(b32))
+    a, b = jnp.asarray(a32, jnp.bfloat16), jnp.asarray(b32, jnp.bfloat16)
+    ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # exact sums of the bf16 values
+    wide = matmul(a, b, jnp.float32)
+    assert wide.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(wide), ref, rtol=1e-5, atol=1e-5)
+    low = matmul(a, b)
+    assert low.dtype == jnp.bfloat16
+    # One rounding to bfloat16 (8 bits of mantissa): within half a unit of the last place.
+    np.testing.assert_allclose(np.asarray(low, np.float64), ref, rtol=2**-8, atol=1e-6)

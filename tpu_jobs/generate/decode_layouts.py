@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tpu_jobs.generate.weight_copies import cast_state
+from tpu_jobs.model.matmul import matmul
 from tpu_jobs.model.transformer import (
     DTYPES,
     KVCache,
@@ -137,7 +138,7 @@ def feature_major_logits(
     for i, (layer, w) in enumerate(zip(model.layers, weights["layers"], strict=True)):
         att = layer.self_attn
         h = rms_norm(x, layer.input_layernorm.weight[...], eps, axis=0)  # [H, B]
-        qkv = _barrier(w["qkv"] @ h).T  # [B, (heads + 2 kv) * hd], token major
+        qkv = _barrier(matmul(w["qkv"], h)).T  # [B, (heads + 2 kv) * hd], token major
         if w["qkv_bias"] is not None:
             qkv = qkv + w["qkv_bias"]
         nq, nk = att.num_heads * att.head_dim, att.num_kv_heads * att.head_dim
@@ -146,13 +147,13 @@ def feature_major_logits(
         v = qkv[:, nq + nk :].reshape(b, 1, att.num_kv_heads, att.head_dim)
         q, k = att.norm_rope(q, k, cos, sin)
         out = attend(i, att, q, k, v)
-        x = x + w["o"] @ _barrier(out.reshape(b, -1).T)
+        x = x + matmul(w["o"], _barrier(out.reshape(b, -1).T))
         h = rms_norm(x, layer.post_attention_layernorm.weight[...], eps, axis=0)
-        gate_up = w["gate_up"] @ h
+        gate_up = matmul(w["gate_up"], h)
         inter = gate_up.shape[0] // 2
-        x = x + w["down"] @ (jax.nn.silu(gate_up[:inter]) * gate_up[inter:])
+        x = x + matmul(w["down"], jax.nn.silu(gate_up[:inter]) * gate_up[inter:])
     h = rms_norm(x, model.norm.weight[...], eps, axis=0)
-    return _barrier(weights["head"] @ h).T.astype(jnp.float32)  # [B, V]
+    return _barrier(matmul(weights["head"], h, jnp.float32)).T  # [B, V]
 
 
 def _feature_major_step(model, weights, token, pos, cache, slot, dtype):

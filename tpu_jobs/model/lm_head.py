@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from tpu_jobs.model.constraints import constrain
+from tpu_jobs.model.matmul import matmul
 
 
 def head_logits(hidden: jax.Array, weight: jax.Array, *, vocab_major: bool) -> jax.Array:
@@ -29,8 +30,7 @@ def head_logits(hidden: jax.Array, weight: jax.Array, *, vocab_major: bool) -> j
 
     weight: [V, H] when `vocab_major` (a tied embedding), else [H, V] (an lm_head kernel)."""
     w = weight.astype(hidden.dtype)
-    logits = hidden @ w.T if vocab_major else hidden @ w
-    return logits.astype(jnp.float32)
+    return matmul(hidden, w.T if vocab_major else w, jnp.float32)
 
 
 def _token_stats(

@@ -52,6 +52,7 @@ from pipeline.lora import LoraConfig
 from tpu_jobs.model import moe
 from tpu_jobs.model.constraints import constrain, current_mesh
 from tpu_jobs.model.lm_head import head_logits, token_logprobs
+from tpu_jobs.model.matmul import matmul
 from tpu_jobs.model.moe import RouterOutputs
 
 DTYPES: dict[str, jnp.dtype] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -210,13 +211,13 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
         """`dropout_key`: training's key of this projection (`lora.dropout` on the adapter's
         input; None: no dropout, as at inference)."""
-        y = x @ self.kernel[...].astype(x.dtype)
+        y = matmul(x, self.kernel[...].astype(x.dtype))
         if self.lora_a is not None:
             xa = x
             if dropout_key is not None and self.lora_dropout > 0:
                 xa = dropout(x, self.lora_dropout, dropout_key)
-            low = xa @ self.lora_a[...].astype(x.dtype)
-            y = y + self.lora_scale * (low @ self.lora_b[...].astype(x.dtype))
+            low = matmul(xa, self.lora_a[...].astype(x.dtype))
+            y = y + self.lora_scale * matmul(low, self.lora_b[...].astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
         return y
@@ -359,7 +360,9 @@ class Attention(nnx.Module):
         scores = scores.reshape(b, nkv, g, t, -1) / math.sqrt(hd)
         scores = jnp.where(visible[:, None, None], scores, _MASKED)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype).reshape(b, nkv, g * t, -1)
-        out = jnp.einsum("bkms,bksd->bkmd", probs, v_seen.astype(q.dtype))
+        out = jnp.einsum(
+            "bkms,bksd->bkmd", probs, v_seen.astype(q.dtype), preferred_element_type=jnp.float32
+        ).astype(q.dtype)
         out = out.reshape(b, nkv, g, t, hd).transpose(0, 3, 1, 2, 4)  # [B, T, kv, g, hd]
         return out.reshape(b, t, self.num_heads * hd), (k_cache, v_cache)
 
@@ -404,7 +407,8 @@ def _dense_attention(q, k, v, visible) -> jax.Array:
     scores = scores / math.sqrt(q.shape[-1])
     scores = jnp.where(visible[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
 
 
 def _query_chunked_attention(q, k, v, visible, chunk: int) -> jax.Array:
