@@ -12,7 +12,7 @@ from flax import nnx
 
 from pipeline.config import ModelConfig
 from tests.tpu_jobs.random_weights import random_model
-from tpu_jobs.model.matmul import matmul
+from tpu_jobs.model.matmul import matmul, matmul_t
 from tpu_jobs.model.transformer import (
     flat_params,
     init_cache,
@@ -325,3 +325,13 @@ def test_matmul_accumulates_in_float32_and_keeps_the_operands_dtype():
     assert low.dtype == jnp.bfloat16
     # One rounding to bfloat16 (8 bits of mantissa): within half a unit of the last place.
     np.testing.assert_allclose(np.asarray(low, np.float64), ref, rtol=2**-8, atol=1e-6)
+    # a @ b.T without the transpose: the same sums.
+    bt = jnp.asarray(b32.T.copy(), jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(matmul_t(a, bt, jnp.float32)), ref, rtol=1e-5, atol=1e-5)
+    assert matmul_t(a, bt).dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(matmul_t(jnp.asarray(a32), jnp.asarray(b32.T.copy()))),
+        a32 @ b32,
+        rtol=1e-5,
+        atol=1e-5,
+    )

@@ -22,3 +22,11 @@ def matmul(a: jax.Array, b: jax.Array, out_dtype: jnp.dtype | None = None) -> ja
     (None: a's dtype)."""
     out = jnp.matmul(a, b, preferred_element_type=jnp.float32)
     return out.astype(a.dtype if out_dtype is None else out_dtype)
+
+
+def matmul_t(a: jax.Array, b: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
+    """a @ b.T for 2-D a [m, k] and b [n, k], as `matmul` (float32 accumulation, cast to
+    `out_dtype`, default a's dtype), without materialising b's transpose."""
+    dims = (((1,), (1,)), ((), ()))
+    out = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    return out.astype(a.dtype if out_dtype is None else out_dtype)
