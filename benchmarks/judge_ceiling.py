@@ -5,6 +5,7 @@
     python benchmarks/judge_ceiling.py probe RUN --init base|N [--steps 1000] [--batch 64]
                                        [--lr 1e-3] [--every 250] [--process] [--version V]
     python benchmarks/judge_ceiling.py temperature RUN --temperature T [--version V]
+    python benchmarks/judge_ceiling.py vote RUN [--version V]
 
 Diagnostics behind `benchmarks/results/selfprm.md` (issue 41), on a finished run of
 `benchmarks/selfprm.py` or `rlax demo`; nothing is written to the run. V defaults to the
@@ -25,6 +26,11 @@ run's last evaluated version; every number is over its eval samples (`eval/v*.pa
   on each step prefix of a solution instead, labelled by that step's local consistency (the
   step's digits, carry-in and running result against the previous step's), and scores a
   solution by its lowest prefix verdict: a process reward model.
+- `vote`: the self-judge's verdict as votes instead of a pick: each sample adds its
+  verdict probability to its answer (`pipeline.metrics.weighted_vote`, PRM-weighted
+  voting; also its log-odds, and the self-confidence's exp(mean log-prob)), against
+  maj@8, with a paired 95% bootstrap interval over problems. The optimal aggregation of
+  a verifier and a vote is such a weighted vote (Kuang et al. 2025, arXiv 2510.13918).
 - `temperature`: V evaluated again (sampled, verified, self-judged) at eval temperature T,
   nothing kept: does the vote or the judge gain from fewer sampling slips?
 """
@@ -44,7 +50,13 @@ import pyarrow.parquet as pq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.metrics import best_of_k, maj_at_k, within_problem_auc  # noqa: E402
+from pipeline.metrics import (  # noqa: E402
+    best_of_k,
+    bootstrap_ci,
+    maj_at_k,
+    weighted_vote,
+    within_problem_auc,
+)
 from pipeline.run import Run, base_server, policy_reader  # noqa: E402
 from pipeline.tasks.arithmetic import columns  # noqa: E402
 from pipeline.tokenizer.run import run_tokenizer  # noqa: E402
@@ -68,9 +80,13 @@ class Samples:
         self.texts = [list(g.completion.values) for _, g in groups]
         self.correct = np.array([g.reward.values >= 1 for _, g in groups])
         self.scores = np.array([g.self_score.values for _, g in groups])
-        answers = [list(g.answer.values) for _, g in groups]
+        self.conf = (
+            np.array([g.conf_score.values for _, g in groups]) if "conf_score" in table else None
+        )
+        self.answers = [[None if a is None else str(a) for a in g.answer.values] for _, g in groups]
         self.maj = np.array(
-            [maj_at_k(a, list(c), K) for a, c in zip(answers, self.correct, strict=True)], float
+            [maj_at_k(a, list(c), K) for a, c in zip(self.answers, self.correct, strict=True)],
+            float,
         )
 
     def best_of(self, scores: np.ndarray) -> np.ndarray:
@@ -88,6 +104,25 @@ class Samples:
         return (
             f"{label}: AUC within a problem {auc:.3f}, Self-PRM@{K} {best.mean():.3f}, "
             f"maj@{K} {self.maj.mean():.3f}, difference {diff:+.1f} points"
+        )
+
+
+def vote(s: Samples) -> None:
+    p = np.clip(s.scores, 1e-6, 1 - 1e-6)
+    weights = {"verdict probability": s.scores, "verdict log-odds": np.log(p / (1 - p))}
+    if s.conf is not None:
+        weights["exp(self-confidence)"] = np.exp(s.conf)
+    print(f"v{s.version}: maj@{K} {s.maj.mean():.3f}")
+    for name, w in weights.items():
+        won = np.array(
+            [weighted_vote(a, wi, c, K) for a, wi, c in zip(s.answers, w, s.correct, strict=True)],
+            float,
+        )
+        mean, lo, hi = bootstrap_ci(won - s.maj)
+        print(
+            f"vote weighted by {name}: {won.mean():.3f}, - maj@{K} {100 * mean:+.1f} "
+            f"[{100 * lo:+.1f}, {100 * hi:+.1f}] points (wins {(won > s.maj).sum()}, "
+            f"losses {(won < s.maj).sum()})"
         )
 
 
@@ -221,7 +256,7 @@ def temperature(run: Run, version: int, value: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("need", "cross", "probe", "temperature"))
+    parser.add_argument("mode", choices=("need", "cross", "probe", "temperature", "vote"))
     parser.add_argument("run")
     parser.add_argument("--version", type=int, default=None)
     parser.add_argument("--judge", default="base")
@@ -239,6 +274,8 @@ def main() -> int:
         temperature(run, s.version, args.temperature)
     elif args.mode == "need":
         need(s)
+    elif args.mode == "vote":
+        vote(s)
     elif args.mode == "cross":
         fns, params = load(run, args.judge)
         tok = run_tokenizer(run)

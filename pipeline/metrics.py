@@ -3,7 +3,8 @@
 - `pass_at_k(n, c, k)`: the unbiased pass@k estimator of Chen et al. (2021),
   1 - C(n-c, k) / C(n, k), in the numerically stable product form
   1 - prod_{i=n-c+1}^{n} (1 - k / i); `pass_at_k_array` is the vectorised variant.
-- `maj_at_k`: majority vote over the first k extracted answers.
+- `maj_at_k`: majority vote over the first k extracted answers; `weighted_vote` the same
+  with a weight per sample (e.g. a verifier's probability: PRM-weighted voting).
 - `avg_at_k`: mean correctness of the first k samples.
 - `best_of_k`: correctness of the highest-scored of the first k samples (e.g. by a verifier
   or the model's own log-likelihood).
@@ -92,22 +93,33 @@ def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int) -> 
     among the tied answers. The result is the correctness of the winning answer's first
     occurrence (samples with equal answers are graded equally).
     """
-    if len(answers) != len(correct):
+    return weighted_vote(answers, np.ones(len(answers)), correct, k)
+
+
+def weighted_vote(
+    answers: Sequence[str | None], weights: ArrayLike, correct: Sequence[bool], k: int
+) -> bool:
+    """`maj_at_k` where each of the first k samples adds its weight (not 1) to its answer:
+    the answer with the largest total wins, ties to the earliest first occurrence. NaN
+    weights count 0."""
+    w = np.asarray(weights, dtype=np.float64)
+    if not len(answers) == len(correct) == len(w):
         raise ValueError(
-            f"answers ({len(answers)}) and correct ({len(correct)}) must have the same length"
+            f"answers ({len(answers)}), weights ({len(w)}) and correct ({len(correct)}) "
+            "must have the same length"
         )
     if not 1 <= k <= len(answers):
         raise ValueError(f"k={k} is invalid for {len(answers)} samples; allowed: 1..{len(answers)}")
-    counts: dict[str, int] = {}
+    totals: dict[str, float] = {}
     first: dict[str, int] = {}
     for i, a in enumerate(answers[:k]):
         if a is None:
             continue
-        counts[a] = counts.get(a, 0) + 1
+        totals[a] = totals.get(a, 0.0) + (0.0 if np.isnan(w[i]) else float(w[i]))
         first.setdefault(a, i)
-    if not counts:
+    if not totals:
         return False
-    winner = min(counts, key=lambda a: (-counts[a], first[a]))
+    winner = min(totals, key=lambda a: (-totals[a], first[a]))
     return bool(correct[first[winner]])
 
 

@@ -21,6 +21,7 @@ from pipeline.metrics import (
     roc_auc,
     self_confidence,
     summarise,
+    weighted_vote,
     within_problem_auc,
 )
 
@@ -88,6 +89,31 @@ def test_maj_at_k_unparseable_answers():
     assert maj_at_k([None, None], [True, True], 2) is False
     with pytest.raises(ValueError, match="same length"):
         maj_at_k(["1"], [True, False], 1)
+
+
+def test_weighted_vote_sums_weights_per_answer():
+    answers = ["7", "5", "5", "7", None, "9"]
+    correct = [True, False, False, True, False, False]
+    # "7": 0.9 + 0.2 = 1.1 beats "5": 0.3 + 0.4 = 0.7 and "9": 1.0, whatever the counts.
+    w = [0.9, 0.3, 0.4, 0.2, 5.0, 1.0]
+    assert weighted_vote(answers, w, correct, 6) is True
+    assert weighted_vote(answers, w, correct, 3) is True  # "7" 0.9 against "5" 0.7
+    assert weighted_vote(answers, [0.1, 0.3, 0.4, 0.2, 0, 1.0], correct, 6) is False  # "9"
+    # Ties go to the earliest first occurrence; a NaN weight counts 0; None never wins.
+    assert weighted_vote(["5", "7"], [0.5, 0.5], [False, True], 2) is False
+    assert weighted_vote(["5", "7"], [np.nan, 0.1], [False, True], 2) is True
+    assert weighted_vote([None, None], [1.0, 1.0], [True, True], 2) is False
+    # Unit weights are the majority vote.
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ans = [str(a) if a < 4 else None for a in rng.integers(0, 5, 8)]
+        corr = [a == "1" for a in ans]
+        k = int(rng.integers(1, 9))
+        assert weighted_vote(ans, np.ones(8), corr, k) == maj_at_k(ans, corr, k)
+    with pytest.raises(ValueError, match=r"weights \(2\)"):
+        weighted_vote(["1"], [1.0, 1.0], [True], 1)
+    with pytest.raises(ValueError, match="k=2 is invalid"):
+        weighted_vote(["1"], [1.0], [True], 2)
 
 
 def test_avg_at_k():
