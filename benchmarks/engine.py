@@ -133,6 +133,11 @@ OURS = "engine (jax)"
 SAME = "the engine's lengths"
 
 
+def same_work(baseline: str) -> str:
+    """The long-tail row of `baseline` run on the engine's own lengths."""
+    return f"{baseline}, {SAME}"
+
+
 def device_line() -> str:
     """The machine the results came from, as every engine benchmark's header says it."""
     return (
@@ -496,7 +501,7 @@ def targets(results: dict, baseline: str) -> str:
         (
             f"long tail: engine / {baseline} on the engine's lengths",
             ">= 1x",
-            rate(lt[ours]) / rate(lt[f"{baseline}, {SAME}"]),
+            rate(lt[ours]) / rate(lt[same_work(baseline)]),
         ),
         (
             f"long tail: engine / {baseline} on its own lengths",
@@ -551,7 +556,7 @@ def section(preset: str, dtype: str, args, baseline: str) -> tuple[str, dict]:
         )
         for name in work:
             results[name][baseline] = vllm[name] if isinstance(vllm, dict) else vllm
-        results["long-tail"][f"{baseline}, {SAME}"] = vllm[SAME] if isinstance(vllm, dict) else vllm
+        results["long-tail"][same_work(baseline)] = vllm[SAME] if isinstance(vllm, dict) else vllm
     lengths = results["long-tail"][OURS]["lengths"]
     text = [
         f"## `{preset}` preset, {dtype}",

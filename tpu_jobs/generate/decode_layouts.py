@@ -39,6 +39,7 @@ from flax import nnx
 
 from tpu_jobs.generate.weight_copies import cast_state
 from tpu_jobs.model.matmul import matmul, matmul_t
+from tpu_jobs.model.mesh import platform_of
 from tpu_jobs.model.transformer import (
     DTYPES,
     KVCache,
@@ -223,8 +224,7 @@ def resolve_layout(name: str | None, cfg, mesh: jax.sharding.Mesh | None = None)
     """A sampler's decode layout: `name`, checked, or (None) `default_layout` for the
     platform the sampler runs on (the mesh's, else the default device's)."""
     if name is None:
-        device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
-        name = default_layout(device.platform, cfg.hidden_size, moe=cfg.moe)
+        name = default_layout(platform_of(mesh), cfg.hidden_size, moe=cfg.moe)
     if name not in DECODE_LAYOUTS:
         raise ValueError(
             f"decode_layout={name!r} is invalid; allowed: " + ", ".join(map(repr, DECODE_LAYOUTS))

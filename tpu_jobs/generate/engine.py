@@ -540,6 +540,7 @@ class Engine:
             )
         self.attention = attention
         self.decode_layout = resolve_layout(decode_layout, cfg, mesh)
+        self.platform = meshlib.platform_of(mesh)  # the page pool's storage (kv_pages.PACKED_PAGES)
         self.detokenize = detokenize
         self.mesh = mesh
         self.check = check
@@ -616,8 +617,7 @@ class Engine:
                 f"release handles {sorted(self._parked)} first (or keep dtype and kv_tokens)"
             )
         self.pages = None  # free the old pool first
-        device = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
-        pages = init_pages(self.cfg, num_pages, self.page_size, dtype, device.platform)
+        pages = init_pages(self.cfg, num_pages, self.page_size, dtype, self.platform)
         self.pages = pages if self.mesh is None else self._put(pages)
         self.pool = PagePool(num_pages)
         self._pages_key = key

@@ -69,6 +69,13 @@ PARAM_RULES: tuple[tuple[str, P], ...] = (
 # --------------------------------------------------------------------------- meshes
 
 
+def platform_of(mesh: Mesh | None) -> str:
+    """The platform ("cpu", "gpu", "tpu") a program runs on: the mesh's devices', else the
+    default device's (no mesh: one device)."""
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    return device.platform
+
+
 def make_mesh(shape: Sequence[int], devices: Sequence[Any] | None = None) -> Mesh:
     """A (data, fsdp, tensor, expert) mesh from a shape of 4 entries, or of 3 (expert = 1).
     One entry may be -1: all remaining devices.
