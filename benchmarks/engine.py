@@ -118,10 +118,12 @@ section, and across runs expect +-20% on any one figure):
   element-wise or reduce fusions: 6-42% slower at 64 rows).
 * Profile columns: the engine's last timed call. "decode programs" counts dispatch,
   device time and the fetch of the chunk's tokens; "host" is the scheduling between
-  programs. The parts (page gather, write-back, sampling, a host round trip) are the
-  chunk's pieces compiled and timed alone at the most-run chunk shape (the gather in the
-  engine's decode layout); what is left of the chunk's program is the layers' matmuls
-  and attention.
+  programs. "(resumed)": chunks over the same rows as the one before, which resume from
+  its copy of the rows' cache instead of gathering their pages (`Engine.resident_rows`).
+  The parts (page gather, write-back, sampling, a host round trip) are the chunk's
+  pieces compiled and timed alone at the most-run chunk shape (the gather in the
+  engine's decode layout; "its program ms" is a gathering chunk's); what is left of the
+  chunk's program is the layers' matmuls and attention.
 * Compile + first call: the engine compiles one program per bucket it meets (prefill,
   admission, and each decode rows x width pair: the compiles column), once per process
   (and cached across processes by the persistent compilation cache).
@@ -241,6 +243,7 @@ def decode_parts(engine: Engine, shape: tuple[int, int]) -> dict:
     small = np.zeros(rows, np.int32)
     step = engine.decode_program()
     args = (
+        None,  # gather the rows' pages (a chunk that does not resume)
         jnp.zeros(rows, jnp.int32),
         pos,
         jnp.zeros(rows, jnp.int32),
@@ -463,7 +466,7 @@ def profile_table(results: dict) -> str:
     """Where the engine's time went, per workload (its last timed call)."""
     lines = [
         "| workload | prefill | admission | decode programs | host | padding row-steps | "
-        "chunks | chunk shapes | compiles | most run chunk (rows x pages) | its program ms "
+        "chunks (resumed) | chunk shapes | compiles | most run chunk (rows x pages) | its program ms "
         "| page gather ms | write-back ms | sampling ms | host round trip ms |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
@@ -477,7 +480,8 @@ def profile_table(results: dict) -> str:
             f"{100 * p[k] / total:.0f}%" for k in ("prefill_s", "admit_s", "decode_s", "host_s")
         ]
         lines.append(
-            f"| {work} | {' | '.join(share)} | {100 * pad:.0f}% | {p['chunks']} | {e['shapes']} "
+            f"| {work} | {' | '.join(share)} | {100 * pad:.0f}% | {p['chunks']} "
+            f"({p.get('resumed_chunks', 0)}) | {e['shapes']} "
             f"| {e['compiles']} | {e['top_shape'][0]} x {e['top_shape'][1]} | "
             + " | ".join(
                 f"{parts[k]:.1f}" if k in parts else ""

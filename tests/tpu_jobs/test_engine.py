@@ -299,3 +299,24 @@ def test_bfloat16_engine_is_the_same_with_packed_or_plain_pages(model, keys, mon
     np.testing.assert_array_equal(out.lengths, ref.lengths)
     np.testing.assert_array_equal(out.logprobs, ref.logprobs)
     assert (out.lengths >= 4).sum() >= 10 and packed.stats["preemptions"] > 0  # paged, preempted
+
+
+@pytest.mark.parametrize(
+    ("layout", "dtype"), [("feature_major", "bfloat16"), ("token_major", "float32")]
+)
+def test_resuming_from_the_last_chunks_copy_equals_gathering_the_pages(model, keys, layout, dtype):
+    """A chunk over the same rows as the last one resumes from that chunk's copy of their
+    cache (`resident_rows`) instead of gathering their pages: the same tokens and
+    log-probs, bit for bit, through refills, stopped rows (left as padding rows) and
+    preemptions."""
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, dtype=dtype)
+    kept = engine(decode_layout=layout)
+    out = kept.generate(model, ROWS, keys, params)
+    fresh = engine(decode_layout=layout, resident_rows=False)
+    ref = fresh.generate(model, ROWS, keys, params)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.lengths, ref.lengths)
+    np.testing.assert_array_equal(out.logprobs, ref.logprobs)
+    assert fresh.stats["resumed_chunks"] == 0
+    assert 0 < kept.stats["resumed_chunks"] < kept.stats["chunks"]
+    assert kept.stats["preemptions"] > 0 and kept._last is None  # the copy is not kept after
