@@ -26,8 +26,9 @@ How a call runs (`Engine.run`; `Engine.generate` is the static sampler's interfa
   or resumed since; rows that stopped stay as padding rows, so the others keep their
   place) resumes from that chunk's copy of the rows' cache, the chunk's keys/values
   written into it, instead of gathering the pages again (`Engine.resident_rows`, on by
-  default: the gather was 15-25% of a 16-64-row chunk at the 100m preset). The copy
-  equals what the gather would give, so the bytes are the same either way.
+  default: at the 100m preset the gather is 7-9% of a 64-row chunk of 4 pages and
+  21-26% of one of 16, benchmarks/results/engine-epyc.md). The copy equals what the
+  gather would give, so the bytes are the same either way.
 * The steps run in the sampler's decode layout (`tpu_jobs.generate.decode_layouts`,
   `ROW_STEPS`): on CPU from hidden size 256, feature_major (q/k/v and gate/up fused,
   the batch the matmuls' minor dimension; the copy in the per-layer cache layout, read
@@ -1179,9 +1180,8 @@ class Engine:
         When the last chunk had this shape and no row is new to it, each row keeps its
         place and a row that stopped leaves a padding row behind, so that the last chunk's
         copy of the rows' cache (`_decode`'s `resident`) still lines up: resuming from it
-        skips the chunk's page gather, which costs 15-25% of a 16-64-row chunk at the
-        100m preset (benchmarks/results/engine.md). Otherwise the live rows in slot order.
-        The order depends on the schedule alone, whether the copy is kept or not
+        skips the chunk's page gather (module docstring). Otherwise the live rows in slot
+        order. The order depends on the schedule alone, whether the copy is kept or not
         (`resident_rows`), so a batch's bytes do not depend on that setting."""
         last, self._last = self._last, None  # a gathering chunk frees the old copy first
         if last is not None and last.shape == (r, width):
