@@ -178,11 +178,16 @@ def device_line() -> str:
     )
 
 
+def random_prompt(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
+    """BOS (1) and `length` - 1 random tokens from 4 up (no pad, EOS or other specials)."""
+    return [1, *rng.integers(4, vocab, length - 1).tolist()]
+
+
 def workloads(vocab: int) -> dict[str, dict]:
     rng = np.random.default_rng(0)
 
     def prompt(n: int) -> list[int]:
-        return [1, *rng.integers(4, vocab, n - 1).tolist()]
+        return random_prompt(rng, n, vocab)
 
     shared = [prompt(128) for _ in range(8)]
     return {
@@ -574,7 +579,7 @@ def step_curve(cfg, model, model_dir: str, dtype: str, args, baseline: str) -> s
     admission cancel). Where the workloads' rates differ, this says at which row counts."""
     rows = [int(r) for r in args.step_curve.split(",")]
     rng = np.random.default_rng(1)
-    prompts = [[1, *rng.integers(4, cfg.vocab_size, 15).tolist()] for _ in range(max(rows))]
+    prompts = [random_prompt(rng, 16, cfg.vocab_size) for _ in range(max(rows))]
     short, long = CURVE_TOKENS
     work = {
         f"{r}x{n}": dict(prompts=prompts[:r], new=n, eos=-1) for r in rows for n in CURVE_TOKENS

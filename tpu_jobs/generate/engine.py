@@ -62,7 +62,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -354,31 +354,33 @@ def _feature_major_begin(pages, table, n_steps):
     bfloat16 matmuls saved: 100m preset, 64 rows)."""
     old = gather_rows_split(pages, table)
     old = PagedKV(*(tuple(a.astype(jnp.float32) for a in part) for part in (old.k, old.v)))
-    b = table.shape[0]
-    nkv, hd = old.k[0].shape[1:3]
+    return old, _chunk_arrays(old, n_steps)
+
+
+def _chunk_arrays(old: PagedKV, n_steps: int) -> PagedKV:
+    """Empty per-layer arrays for a chunk's own keys [B, kv, hd, C] and values [B, kv, C,
+    hd], in the dtype of the rows' copy `old`."""
+    b, nkv, hd = old.k[0].shape[:3]
     k = jnp.zeros((b, nkv, hd, n_steps), old.k[0].dtype)
     v = jnp.zeros((b, nkv, n_steps, hd), old.v[0].dtype)
-    return old, PagedKV(k=(k,) * len(old.k), v=(v,) * len(old.v))
+    return PagedKV(k=(k,) * len(old.k), v=(v,) * len(old.v))
+
+
+def _chunk_tokens(new: PagedKV) -> tuple[Iterator[jax.Array], Iterator[jax.Array]]:
+    """A chunk's own keys and values per layer as [B, C, kv, hd] (token major)."""
+    return (a.transpose(0, 3, 1, 2) for a in new.k), (a.transpose(0, 2, 1, 3) for a in new.v)
 
 
 def _feature_major_resume(old, new, positions, valid, n_steps):
     """The last chunk's keys/values written into the rows' copy at their positions (a
     stopped row's later steps dropped, as `_feature_major_end` drops them from the
     pages), and empty arrays for the next chunk's. In place: the copy is donated."""
-    b, length = old.k[0].shape[0], old.k[0].shape[-1]
-    at = jnp.where(valid, positions, length)  # out of range: dropped
-    index = jnp.arange(b)[:, None]
-
-    def put(a, new, layout):  # new: [B, C, kv, hd]
-        if layout == "k":
-            return a.at[index, :, :, at].set(new, mode="drop")
-        return a.at[index, :, at, :].set(new, mode="drop")
-
-    k = tuple(put(a, n.transpose(0, 3, 1, 2), "k") for a, n in zip(old.k, new.k, strict=True))
-    v = tuple(put(a, n.transpose(0, 2, 1, 3), "v") for a, n in zip(old.v, new.v, strict=True))
-    return PagedKV(k=k, v=v), PagedKV(
-        k=tuple(jnp.zeros_like(a) for a in new.k), v=tuple(jnp.zeros_like(a) for a in new.v)
-    )
+    at = jnp.where(valid, positions, old.k[0].shape[-1])  # out of range: dropped
+    index = jnp.arange(at.shape[0])[:, None]
+    keys, values = _chunk_tokens(new)
+    k = tuple(a.at[index, :, :, at].set(n, mode="drop") for a, n in zip(old.k, keys, strict=True))
+    v = tuple(a.at[index, :, at, :].set(n, mode="drop") for a, n in zip(old.v, values, strict=True))
+    return PagedKV(k=k, v=v), _chunk_arrays(old, n_steps)
 
 
 def _feature_major_step(model, weights, old, new, token, pos, start, c, dtype):
@@ -404,9 +406,7 @@ def _feature_major_step(model, weights, old, new, token, pos, start, c, dtype):
 
 def _feature_major_end(pages, old, new, table, positions, valid):
     """Write the chunk's keys/values ([B, C, kv, hd] each) to their pages."""
-    keys = (a.transpose(0, 3, 1, 2) for a in new.k)
-    values = (a.transpose(0, 2, 1, 3) for a in new.v)
-    return scatter_tokens(pages, keys, values, table, positions, valid)
+    return scatter_tokens(pages, *_chunk_tokens(new), table, positions, valid)
 
 
 # decode_layout -> how a decode chunk steps over its rows.
@@ -879,7 +879,6 @@ class Engine:
         served = len(first)
         slots: list[_Seq | None] = [None] * self.max_slots
         admitted: list[_Seq] = []  # live rows in admission order (preemption: newest first)
-        self._last = None
         try:
             while True:
                 if not queue and None in slots:
