@@ -693,17 +693,18 @@ def targets(results: dict, baseline: str) -> str:
 
 
 CURVE_TOKENS = (32, 96)  # two lengths: their difference over 64 steps is the steps alone
+CURVE_PROMPT = 16  # the step curve's prompt tokens
 
 
 def step_curve(cfg, model, vllm: VllmWorker, dtype: str, args, baseline: str) -> str:
     """Milliseconds per decode step by rows, the engine against `baseline` on the same
-    model: R rows of 16-token prompts run to each of CURVE_TOKENS new tokens (EOS off),
+    model: R rows of CURVE_PROMPT-token prompts run to each of CURVE_TOKENS new tokens (EOS off),
     and the difference of the two calls' times over the steps between them (prefill and
     admission cancel), each call's best, the two samplers' calls alternating. Where the
     workloads' rates differ, this says at which row counts."""
     rows = [int(r) for r in args.step_curve.split(",")]
     rng = np.random.default_rng(1)
-    prompts = [random_prompt(rng, 16, cfg.vocab_size) for _ in range(max(rows))]
+    prompts = [random_prompt(rng, CURVE_PROMPT, cfg.vocab_size) for _ in range(max(rows))]
     short, long = CURVE_TOKENS
     work = {
         f"{r}x{n}": dict(prompts=prompts[:r], new=n, eos=-1) for r in rows for n in CURVE_TOKENS
@@ -763,7 +764,9 @@ def section(preset: str, dtype: str, args, baseline: str) -> tuple[str, dict]:
     model = init_model(cfg, seed=0)
     work = workloads(cfg.vocab_size)
     results: dict[str, dict] = {}
-    max_len = max(len(w["prompts"][0]) + w["new"] for w in work.values()) + 16
+    # One vLLM worker serves the workloads and the step curve: room for the longest of both.
+    longest = [len(w["prompts"][0]) + w["new"] for w in work.values()]
+    max_len = max(*longest, CURVE_PROMPT + CURVE_TOKENS[-1]) + 16
     with tempfile.TemporaryDirectory() as model_dir:
         hf_checkpoint.export_hf(model_dir, cfg, flat_params(model))
         python = None if args.skip_vllm else Path(args.vllm_python)
@@ -780,9 +783,8 @@ def section(preset: str, dtype: str, args, baseline: str) -> tuple[str, dict]:
                 def after(out, seconds, w=w, paired=paired):
                     ours = None if seconds is None else int(out.lengths.sum()) / seconds
                     paired[baseline].add(vllm.call(w), ours)
-                    if len(paired) > 1:
-                        same = {**w, "lengths": out.lengths.tolist()}
-                        paired[same_work(baseline)].add(vllm.call(same), ours)
+                    if same_row := paired.get(same_work(baseline)):
+                        same_row.add(vllm.call({**w, "lengths": out.lengths.tolist()}), ours)
 
                 results[name] = run_ours(
                     cfg, model, w, args.repeats, dtype, not args.no_profile, after
