@@ -147,8 +147,9 @@ ratios are medians of back-to-back pairs, their range beside them):
   element-wise or reduce fusions: 6-42% slower at 64 rows).
 * Profile columns: the engine's last timed call. "decode programs" counts dispatch,
   device time and the fetch of the chunk's tokens; "host" is the scheduling between
-  programs. "(resumed)": chunks over the same rows as the one before, which resume from
-  its copy of the rows' cache instead of gathering their pages (`Engine.resident_rows`).
+  programs. "(resumed, of them picked)": chunks over the same rows as the one before (or
+  some of them, "picked": after a chunk that ended early), which resume from its copy of
+  the rows' cache instead of gathering their pages (`Engine.resident_rows`).
   The parts (page gather, write-back, sampling, a host round trip) are the chunk's
   pieces compiled and timed alone at the most-run chunk shape (the gather in the
   engine's decode layout; "its program ms" is a gathering chunk's); what is left of the
@@ -309,6 +310,7 @@ def decode_parts(engine: Engine, shape: tuple[int, int]) -> dict:
         jnp.zeros(rows, jnp.int32),
         keys,
         jnp.full(rows, chunk, jnp.int32),
+        jnp.int32(0),  # every row runs the whole chunk: no early end
         table,
         *zero,
     )
@@ -616,7 +618,7 @@ def profile_table(results: dict) -> str:
     """Where the engine's time went, per workload (its last timed call)."""
     lines = [
         "| workload | prefill | admission | decode programs | host | padding row-steps | "
-        "chunks (resumed) | chunk shapes | compiles | most run chunk (rows x pages) | its program ms "
+        "chunks (resumed, of them picked) | chunk shapes | compiles | most run chunk (rows x pages) | its program ms "
         "| page gather ms | write-back ms | sampling ms | host round trip ms |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
@@ -631,7 +633,7 @@ def profile_table(results: dict) -> str:
         ]
         lines.append(
             f"| {work} | {' | '.join(share)} | {100 * pad:.0f}% | {p['chunks']} "
-            f"({p.get('resumed_chunks', 0)}) | {e['shapes']} "
+            f"({p.get('resumed_chunks', 0)}, {p.get('compacted_chunks', 0)}) | {e['shapes']} "
             f"| {e['compiles']} | {e['top_shape'][0]} x {e['top_shape'][1]} | "
             + " | ".join(
                 f"{parts[k]:.1f}" if k in parts else ""

@@ -255,11 +255,36 @@ def test_stats_count_live_row_steps_and_time_each_phase(model, keys):
     assert stats["live_row_steps"] == out.lengths.sum() - len(ROWS)
     chunks = sum(eng.chunk_shapes.values())
     assert chunks == stats["chunks"]
-    assert stats["decode_row_steps"] == sum(
+    # A chunk ends early once no row is live (one row bucket here): at most `chunk` steps.
+    assert stats["decode_row_steps"] <= sum(
         rows * eng.chunk * n for (rows, _), n in eng.chunk_shapes.items()
     )
     assert stats["live_row_steps"] < stats["decode_row_steps"]  # ragged rows leave padding
     assert min(stats[k] for k in ("prefill_s", "admit_s", "decode_s", "host_s")) > 0
+
+
+def test_a_chunk_ends_once_its_live_rows_fit_the_next_smaller_bucket(model, keys):
+    """Planted lengths (no EOS): 5 rows of 3 tokens and 3 of 20, 8 slots, buckets of 4
+    and 8 rows, chunks of 8 steps. Each row's first token comes from its admission.
+    Chunk 1 (8 rows) ends after 2 steps, when the short rows stop and 3 live rows fit 4;
+    then 4-row chunks of 8, 8 and 1 step (the last ends when every row has stopped): 17
+    more steps for the long rows. Without the early ends: 8 x 8 + 3 chunks x 4 x 8 = 160.
+    The tokens equal a run whose rows' chunks never end early (one bucket of 8)."""
+    lengths = [3] * 5 + [20] * 3
+    requests = [Request(ROWS[i], keys[i], n) for i, n in enumerate(lengths)]
+    settings = dict(pad_id=PAD, eos_id=-1, max_slots=8, chunk=8, page_size=4)
+    settings.update(prompt_buckets=(32,), check=True)
+    eng = Engine(CFG, row_buckets=(4, 8), **settings)
+    out = eng.run(model, requests)
+    assert [len(c.tokens) for c in out] == lengths
+    assert eng.stats["chunks"] == 4
+    assert eng.stats["decode_row_steps"] == 8 * 2 + 4 * (8 + 8 + 1)
+    assert eng.stats["live_row_steps"] == sum(lengths) - len(lengths)
+    assert dict(eng.chunk_shapes) == {(8, 16): 1, (4, 16): 3}
+    whole = Engine(CFG, row_buckets=(8,), **settings).run(model, requests)
+    for a, b in zip(out, whole, strict=True):
+        assert a.tokens == b.tokens
+        assert np.abs(np.subtract(a.logprobs, b.logprobs)).max() <= 1e-5
 
 
 def test_default_row_buckets_are_powers_of_two():
@@ -306,17 +331,20 @@ def test_bfloat16_engine_is_the_same_with_packed_or_plain_pages(model, keys, mon
 )
 def test_resuming_from_the_last_chunks_copy_equals_gathering_the_pages(model, keys, layout, dtype):
     """A chunk over the same rows as the last one resumes from that chunk's copy of their
-    cache (`resident_rows`) instead of gathering their pages: the same tokens and
-    log-probs, bit for bit, through refills, stopped rows (left as padding rows) and
-    preemptions."""
+    cache (`resident_rows`) instead of gathering their pages, and a chunk of fewer rows
+    (buckets of 2 and 4 rows here) copies its rows out of it: the same tokens and
+    log-probs, bit for bit, through refills, stopped rows (left as padding rows), chunks
+    that end early and preemptions."""
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, dtype=dtype)
-    kept = engine(decode_layout=layout)
+    kept = engine(decode_layout=layout, row_buckets=(2, 4))
     out = kept.generate(model, ROWS, keys, params)
-    fresh = engine(decode_layout=layout, resident_rows=False)
+    fresh = engine(decode_layout=layout, row_buckets=(2, 4), resident_rows=False)
     ref = fresh.generate(model, ROWS, keys, params)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_array_equal(out.lengths, ref.lengths)
     np.testing.assert_array_equal(out.logprobs, ref.logprobs)
     assert fresh.stats["resumed_chunks"] == 0
-    assert 0 < kept.stats["resumed_chunks"] < kept.stats["chunks"]
+    assert 0 < kept.stats["compacted_chunks"] < kept.stats["resumed_chunks"]
+    assert kept.stats["resumed_chunks"] < kept.stats["chunks"]
+    assert set(kept.chunk_shapes) == set(fresh.chunk_shapes) == {(2, 16), (4, 16)}
     assert kept.stats["preemptions"] > 0 and kept._last is None  # the copy is not kept after

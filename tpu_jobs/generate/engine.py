@@ -14,21 +14,27 @@ How a call runs (`Engine.run`; `Engine.generate` is the static sampler's interfa
 * Between decode chunks, free slots are refilled from the queue: one batched prefill
   (`_extend`) of the new groups and requests, then one program (`_admit`) that copies the
   partial pages and samples each admitted row's first token.
-* A decode chunk (`_decode`) runs `chunk` steps of the live rows as one jitted program of
-  static shape: rows padded up to a slot bucket (powers of 2), the block table up to a
-  page bucket, so a chunk's cost follows the rows still running and their lengths, and
-  each bucket compiles once (twice: see the next point). It gathers the rows' pages
-  once, steps on the contiguous copy and writes the chunk's new keys/values back to the
-  pages. A row that emits EOS or reaches its token limit stops writing (its writes go to
-  the trash page); stop sequences are found on the host after the chunk, and the tokens
-  after one are dropped.
-* A chunk over the same rows and shapes as the one before (no row admitted, preempted
-  or resumed since; rows that stopped stay as padding rows, so the others keep their
-  place) resumes from that chunk's copy of the rows' cache, the chunk's keys/values
-  written into it, instead of gathering the pages again (`Engine.resident_rows`, on by
-  default: at the 100m preset the gather is 8-13% of a 64-row chunk of 4 pages and
-  17-28% of one of 16, benchmarks/results/engine-epyc*.md). The copy equals what the
-  gather would give, so the bytes are the same either way.
+* A decode chunk (`_decode`) runs up to `chunk` steps of the live rows as one jitted
+  program of static shape: rows padded up to a slot bucket (powers of 2), the block
+  table up to a page bucket, so a chunk's cost follows the rows still running and their
+  lengths, and each bucket compiles once (twice: see the next point). It gathers the
+  rows' pages once, steps on the contiguous copy and writes the chunk's new keys/values
+  back to the pages. A row that emits EOS or reaches its token limit stops writing (its
+  writes go to the trash page); stop sequences are found on the host after the chunk,
+  and the tokens after one are dropped.
+* A chunk ends early, on the device, once its live rows fit the next smaller bucket (or
+  none is left: `Engine._floor`), so that the rows left run the smaller bucket's cheaper
+  program from the next step on instead of a chunk's worth of padding rows: at the 100m
+  preset a decode step costs about its rows' matmuls from ~16 rows up.
+* A chunk over the same rows and table width as the one before (no row admitted,
+  preempted or resumed since) resumes from that chunk's copy of the rows' cache, the
+  chunk's keys/values written into it, instead of gathering the pages again
+  (`Engine.resident_rows`, on by default: at the 100m preset the gather is 8-13% of a
+  64-row chunk of 4 pages and 17-28% of one of 16, benchmarks/results/engine-epyc*.md).
+  With as many rows, rows that stopped stay as padding rows, so the others keep their
+  place; with fewer (after an early end), the rows' copies are picked out of the last
+  one (`_pick_rows`). The copy equals what the gather would give, so the bytes are the
+  same either way.
 * The steps run in the sampler's decode layout (`tpu_jobs.generate.decode_layouts`,
   `ROW_STEPS`): on CPU from hidden size 256, feature_major (q/k/v and gate/up fused,
   the batch the matmuls' minor dimension; the copy in the per-layer cache layout, read
@@ -438,6 +444,7 @@ def _decode(
     step,
     keys,
     left,
+    floor,
     table,
     temperature,
     top_k,
@@ -451,13 +458,16 @@ def _decode(
     eos_id: int,
     pad_id: int,
 ):
-    """`n_steps` decode steps of rows [R]: feed token (at pos), sample the next with
-    sample index `step`, while the row is live (left > 0, no EOS yet). `weights`: the
+    """Up to `n_steps` decode steps of rows [R]: feed token (at pos), sample the next
+    with sample index `step`, while the row is live (left > 0, no EOS yet). The chunk ends
+    early once at most `floor` rows are live (a smaller row bucket's worth, or none: the
+    host's `_floor`); the steps it did not run emit nothing. `weights`: the
     decode layout's (`decode_layouts`; None for token_major). Returns (tokens, log-probs,
     emitted flags, each [R, n_steps], pages, the fed tokens' experts [n_steps, layers, R,
     k] or None for a dense model, the rows' copy at the end: `resident` for a next chunk
     over the same rows). `resident`: None (gather the rows' pages) or the copy a chunk
-    over the same rows in the same order and shapes returned (donated)."""
+    over the same rows in the same order and shapes returned, or `_pick_rows` of one
+    (donated)."""
     model = nnx.merge(graphdef, state)
     vocab = model.cfg.vocab_size
     rows = ROW_STEPS[layout]
@@ -483,8 +493,8 @@ def _decode(
     else:
         read, held = rows.resume(*resident, n_steps)
 
-    def body(carry, c):
-        held, token, pos, step, left, live = carry
+    def body(carry):
+        c, held, token, pos, step, left, live, out = carry
         logits, held, routing = rows.step(model, weights, read, held, token, pos, start, c, dtype)
         noise = _row_noise(keys, step, vocab) if noise_all is None else noise_all[:, c]
         new, logp = sample(logits, keys, 0, noise=noise)
@@ -492,18 +502,45 @@ def _decode(
         logp = jnp.where(live, logp, 0.0)
         inc = live.astype(jnp.int32)
         left = left - inc
-        carry = (held, jnp.where(live, new, token), pos + inc, step + inc, left)
         fed = None if routing is None else routing[:, :, 0]
-        return (*carry, live & (new != eos_id) & (left > 0)), (new, logp, live, fed)
+        out = jax.tree.map(lambda buf, x: buf.at[c].set(x), out, (new, logp, live, fed))
+        token = jnp.where(live, new, token)
+        live = live & (new != eos_id) & (left > 0)
+        return c + 1, held, token, pos + inc, step + inc, left, live, out
 
-    init = (held, token, pos, step, left, left > 0)
-    carry, (tokens, logps, emitted, routing) = jax.lax.scan(body, init, jnp.arange(n_steps))
+    def more(carry):
+        c, live = carry[0], carry[6]
+        return (c < n_steps) & (jnp.sum(live.astype(jnp.int32)) > floor)
+
+    # A step's outputs by step; the steps an early end skips keep these (nothing emitted).
+    r = token.shape[0]
+    routed = jax.eval_shape(
+        lambda h: rows.step(model, weights, read, h, token, pos, start, 0, dtype)[2], held
+    )  # [layers, R, 1, k] or None
+    out = (
+        jnp.full((n_steps, r), pad_id, jnp.int32),
+        jnp.zeros((n_steps, r), jnp.float32),
+        jnp.zeros((n_steps, r), bool),
+        None
+        if routed is None
+        else jnp.zeros((n_steps, *routed.shape[:2], *routed.shape[3:]), routed.dtype),
+    )
+    init = (jnp.int32(0), held, token, pos, step, left, left > 0, out)
+    carry = jax.lax.while_loop(more, body, init)
+    tokens, logps, emitted, routing = carry[-1]
     written = start[:, None] + jnp.arange(n_steps, dtype=jnp.int32)[None]  # fed at step c
-    pages = rows.end(pages, read, carry[0], table, written, emitted.T)
-    return tokens.T, logps.T, emitted.T, pages, routing, (read, carry[0], written, emitted.T)
+    pages = rows.end(pages, read, carry[1], table, written, emitted.T)
+    return tokens.T, logps.T, emitted.T, pages, routing, (read, carry[1], written, emitted.T)
 
 
 # --------------------------------------------------------------------------- engine
+
+
+def _pick_rows(copy: tuple, picks: jax.Array) -> tuple:
+    """Rows `picks` [R] of a chunk's copy of its rows' cache (`_decode`'s last output):
+    a chunk of fewer rows over the same table width resumes from them. A copy of the
+    rows' contiguous cache, cheaper than gathering (and transposing) their pages."""
+    return jax.tree.map(lambda a: jnp.take(a, picks, axis=0), copy)
 
 
 def _powers(base: int, top: int) -> tuple[int, ...]:
@@ -531,7 +568,8 @@ class Engine:
     max_slots rows of the model's max_seq_len (and a page each), so that no row is ever
     preempted. `row_buckets`: the row counts a chunk or prefill compiles for (None: powers
     of 2 from 4 up to max_slots). `chunk`: decode steps per jitted chunk
-    (more: fewer host round trips; fewer: less work past a row's end). `detokenize`:
+    at most (more: fewer host round trips; fewer: less work past a row's end when a
+    chunk does not end early). `detokenize`:
     token ids -> text, needed for `stop_strings`. `mesh`: weights are placed by the
     mesh's rules and the pool is replicated on it (the slots are not split over the
     data axis yet, docs/scaling.md). `check`: verify the pool's reference counts against
@@ -866,6 +904,7 @@ class Engine:
             preemptions=0,
             chunks=0,
             resumed_chunks=0,  # chunks that resumed from the last one's copy: no page gather
+            compacted_chunks=0,  # of those, chunks of fewer rows than the last one
             peak_pages=0,
             prefill_s=0.0,
             admit_s=0.0,
@@ -1172,22 +1211,38 @@ class Engine:
         )
         return functools.partial(fn, run["state"], run["weights"])
 
+    def _floor(self, r: int) -> jax.Array:
+        """The live rows at or below which a chunk of `r` rows ends early: the next smaller
+        row bucket's size (the next chunk runs that bucket's cheaper program), or 0 (it
+        ends when every row has stopped). Traced, so no bucket compiles twice for it."""
+        below = [b for b in self.slot_buckets if b < r]
+        return self._put(np.int32(below[-1] if below else 0))
+
     def _arrange(self, live: list[_Seq], r: int, width: int) -> tuple[list, tuple | None]:
         """The chunk's rows in program order (None: a padding row) and the copy of their
         cache to resume from (None: gather it from the pages).
 
-        When the last chunk had this shape and no row is new to it, each row keeps its
-        place and a row that stopped leaves a padding row behind, so that the last chunk's
-        copy of the rows' cache (`_decode`'s `resident`) still lines up: resuming from it
-        skips the chunk's page gather (module docstring). Otherwise the live rows in slot
-        order. The order depends on the schedule alone, whether the copy is kept or not
-        (`resident_rows`), so a batch's bytes do not depend on that setting."""
+        When no row is new to the last chunk and the table is as wide: with as many rows,
+        each row keeps its place and a row that stopped leaves a padding row behind, so
+        that the last chunk's copy of the rows' cache (`_decode`'s `resident`) still lines
+        up; with fewer (the last chunk ended early, `_floor`), the rows keep their order
+        and the chunk copies theirs out of the last one's copy. Either skips the chunk's
+        page gather (module docstring). Otherwise the live rows in slot order. The order
+        depends on the schedule alone, whether the copy is kept or not (`resident_rows`),
+        so a batch's bytes do not depend on that setting."""
         last, self._last = self._last, None  # a gathering chunk frees the old copy first
-        if last is not None and last.shape == (r, width):
-            here = set(live)
-            if here.issubset(last.rows):
-                return [s if s in here else None for s in last.rows], last.copy
-        return live + [None] * (r - len(live)), None
+        here = set(live)
+        if last is None or last.shape[1] != width or not here.issubset(last.rows):
+            return live + [None] * (r - len(live)), None
+        if last.shape[0] == r:
+            return [s if s in here else None for s in last.rows], last.copy
+        kept = [i for i, s in enumerate(last.rows) if s in here]
+        rows = [last.rows[i] for i in kept] + [None] * (r - len(kept))
+        if last.copy is None:
+            return rows, None
+        picks = np.array(kept + [kept[0]] * (r - len(kept)), np.int32)  # padding: any row
+        self.stats["compacted_chunks"] += 1
+        return rows, self._program(_pick_rows, ())(last.copy, self._put(picks))
 
     def _decode_chunk(
         self, slots: list, admitted: list[_Seq], on_done: Callable[[int, Completion], None]
@@ -1221,7 +1276,9 @@ class Engine:
                 resident,
                 *map(self._put, (token, pos, step)),
                 self._keys([s or live[0] for s in rows], r),
-                *map(self._put, (left, table)),
+                self._put(left),
+                self._floor(r),
+                self._put(table),
                 *run["sampling"],
             )
             self._last = _LastChunk(rows, (r, width), copy if self.resident_rows else None)
@@ -1229,7 +1286,7 @@ class Engine:
             tokens, logps, emitted, routing = jax.device_get((tokens, logps, emitted, routing))
             self.stats["decode_s"] += time.perf_counter() - began
             self.stats["chunks"] += 1
-            self.stats["decode_row_steps"] += r * self.chunk
+            self.stats["decode_row_steps"] += r * int(emitted.any(axis=0).sum())  # steps run
             self.stats["live_row_steps"] += int(emitted.sum())
             self.chunk_shapes[(r, width)] += 1
             for i, s in enumerate(rows):
