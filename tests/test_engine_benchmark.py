@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.engine import VLLM_PYTHON, Paired, VllmWorker, versus
+from benchmarks.engine import VLLM_PYTHON, ChunkTimer, Paired, VllmWorker, versus
 from pipeline.config import ModelConfig
 from tpu_jobs.model import hf_checkpoint
 from tpu_jobs.model.transformer import flat_params, init_model
@@ -30,6 +30,28 @@ def test_each_pair_gives_its_own_ratio_and_the_target_their_median():
     alone = dict(useful=10, times=[5.0, 4.0, 6.0])  # 2 tok/s
     assert versus(dict(useful=12, times=[4.0]), alone) == "1.50x"
     assert versus(ours, "failed: no output") == "n/a"
+
+
+def test_the_chunk_timer_logs_every_chunk_and_the_steps_it_ran():
+    """`--chunk-times`' log: one entry per chunk, its rows and steps adding up to the
+    engine's own count of decode row-steps (chunks that end early run fewer steps)."""
+    import jax
+
+    from tests.tpu_jobs.test_sampler import CFG, EOS, PAD, PROMPTS, TRIGGERS, random_model
+    from tpu_jobs.generate.interface import SamplingParams
+
+    model = random_model(seed=1, triggers=TRIGGERS)
+    rows = [PROMPTS[i % 3] + [30 + i] for i in range(8)]
+    engine = ChunkTimer(CFG, pad_id=PAD, eos_id=EOS, max_slots=8, chunk=4, page_size=4)
+    out = engine.generate(
+        model, rows, jax.random.split(jax.random.key(3), 8), SamplingParams(max_new_tokens=12)
+    )
+    assert len(engine.chunk_log) == engine.stats["chunks"]
+    assert sum(r * n for r, _, n, _ in engine.chunk_log) == engine.stats["decode_row_steps"]
+    assert all(0 < n <= 4 and t > 0 for _, _, n, t in engine.chunk_log)
+    assert {(r, w) for r, w, _, _ in engine.chunk_log} == set(engine.chunk_shapes)
+    assert out.lengths.min() < out.lengths.max()  # ragged: some chunks end early
+    assert any(n < 4 for _, _, n, _ in engine.chunk_log)
 
 
 def test_a_missing_virtualenv_is_named(tmp_path):
