@@ -75,7 +75,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.config import ModelConfig  # noqa: E402
-from tpu_jobs.generate.engine import ROW_STEPS, Engine, _chunk_noise  # noqa: E402
+from tpu_jobs.generate.engine import ROW_STEPS, Engine, _chunk_noise, steps_run  # noqa: E402
 from tpu_jobs.generate.interface import SamplingParams  # noqa: E402
 from tpu_jobs.generate.kv_pages import page_bytes  # noqa: E402
 from tpu_jobs.generate.static_sampler import StaticSampler  # noqa: E402
@@ -173,6 +173,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 EOS = 2
 OURS = "engine (jax)"
+ENGINE = dict(page_size=16, chunk=8)  # the engine's settings every measurement here uses
 SAME = "the engine's lengths"
 
 
@@ -352,7 +353,7 @@ def run_ours(
     n = len(prompts)
     per_tok = kv_bytes_per_token(cfg, dtype)
     rows = {}
-    engine = Engine(cfg, eos_id=eos, max_slots=64, page_size=16, chunk=8, profile=profile)
+    engine = Engine(cfg, eos_id=eos, max_slots=64, profile=profile, **ENGINE)
     static = StaticSampler(cfg, eos_id=eos)
     params = SamplingParams(max_new_tokens=new, temperature=1.0, dtype=dtype)
     for name, sampler in ((OURS, engine), ("static sampler", static)):
@@ -722,7 +723,7 @@ def step_curve(cfg, model, vllm: VllmWorker, dtype: str, args, baseline: str) ->
     work = {
         f"{r}x{n}": dict(prompts=prompts[:r], new=n, eos=-1) for r in rows for n in CURVE_TOKENS
     }
-    engine = Engine(cfg, eos_id=-1, max_slots=max(rows), page_size=16, chunk=8)
+    engine = Engine(cfg, eos_id=-1, max_slots=max(rows), **ENGINE)
     repeats = max(args.repeats, 2)
     seconds: dict[str, dict[str, float]] = {OURS: {}, baseline: {}}
     for key, w in work.items():
@@ -786,7 +787,7 @@ class ChunkTimer(Engine):
             began = time.perf_counter()
             out = fn(pages, resident, token, pos, step, keys, left, floor, table, *rest)
             out = jax.block_until_ready(out)
-            steps = int(np.asarray(out[2]).any(axis=0).sum())  # emitted [R, chunk]
+            steps = steps_run(np.asarray(out[2]))  # emitted [R, chunk]
             self.chunk_log.append(
                 (token.shape[0], table.shape[1], steps, time.perf_counter() - began)
             )
@@ -811,9 +812,7 @@ def chunk_times(cfg, model, dtype: str, args) -> str:
     ]
     for spec in args.chunk_times.split("/"):
         buckets = tuple(int(b) for b in spec.split(","))
-        engine = ChunkTimer(
-            cfg, eos_id=work["eos"], max_slots=64, page_size=16, chunk=8, row_buckets=buckets
-        )
+        engine = ChunkTimer(cfg, eos_id=work["eos"], max_slots=64, row_buckets=buckets, **ENGINE)
         engine.generate(model, work["prompts"], keys, params)
         engine.chunk_log.clear()
         began = time.perf_counter()

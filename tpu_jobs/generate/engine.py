@@ -536,6 +536,12 @@ def _decode(
 # --------------------------------------------------------------------------- engine
 
 
+def steps_run(emitted: np.ndarray) -> int:
+    """The steps a decode chunk ran, from its emitted flags [R, chunk]: every step it ran
+    had a live row (it ends early otherwise), and the steps it skipped emit nothing."""
+    return int(emitted.any(axis=0).sum())
+
+
 def _pick_rows(copy: tuple, picks: jax.Array) -> tuple:
     """Rows `picks` [R] of a chunk's copy of its rows' cache (`_decode`'s last output):
     a chunk of fewer rows over the same table width resumes from them. A copy of the
@@ -569,10 +575,9 @@ class Engine:
     preempted. `row_buckets`: the row counts a chunk or prefill compiles for (None: powers
     of 2 from 4 up to max_slots). `chunk`: the most decode steps a jitted chunk runs
     (more: fewer host round trips; fewer: less work past a row's end when a chunk does
-    not end early). `detokenize`: token ids -> text, needed for `stop_strings`.
-    `mesh`: weights are placed by the
-    mesh's rules and the pool is replicated on it (the slots are not split over the
-    data axis yet, docs/scaling.md). `check`: verify the pool's reference counts against
+    not end early). `detokenize`: token ids -> text, needed for `stop_strings`. `mesh`:
+    weights are placed by the mesh's rules and the pool is replicated on it (the slots
+    are not split over the data axis yet, docs/scaling.md). `check`: verify the pool's reference counts against
     the rows after every chunk (tests). `decode_layout`: the decode steps' layout
     (`tpu_jobs.generate.decode_layouts`; None: the platform's default, feature_major on
     CPU for hidden sizes >= 256, as the static sampler). `resident_rows`: keep a chunk's
@@ -1286,7 +1291,7 @@ class Engine:
             tokens, logps, emitted, routing = jax.device_get((tokens, logps, emitted, routing))
             self.stats["decode_s"] += time.perf_counter() - began
             self.stats["chunks"] += 1
-            self.stats["decode_row_steps"] += r * int(emitted.any(axis=0).sum())  # steps run
+            self.stats["decode_row_steps"] += r * steps_run(emitted)
             self.stats["live_row_steps"] += int(emitted.sum())
             self.chunk_shapes[(r, width)] += 1
             for i, s in enumerate(rows):
