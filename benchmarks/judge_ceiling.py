@@ -6,6 +6,7 @@
                                        [--lr 1e-3] [--every 250] [--process] [--version V]
     python benchmarks/judge_ceiling.py temperature RUN --temperature T [--version V]
     python benchmarks/judge_ceiling.py vote RUN [--version V]
+    python benchmarks/judge_ceiling.py joint RUN [--version V]
 
 Diagnostics behind `benchmarks/results/selfprm.md` (issue 41), on a finished run of
 `benchmarks/selfprm.py` or `rlax demo`; nothing is written to the run. V defaults to the
@@ -31,6 +32,13 @@ run's last evaluated version; every number is over its eval samples (`eval/v*.pa
   voting; also its log-odds, and the self-confidence's exp(mean log-prob)), against
   maj@8, with a paired 95% bootstrap interval over problems. The optimal aggregation of
   a verifier and a vote is such a weighted vote (Kuang et al. 2025, arXiv 2510.13918).
+- `joint`: the verdict read together with the sample's own likelihood: each sample scored
+  by log P(solution, "y") = its tokens' summed log-probs (the self-confidence column, a
+  mean under `eval.self_conf: mean`, times its length) + log P("y" | solution), and by
+  that per token (over its tokens and the verdict), picked best-of-8 against maj@8 with a
+  paired 95% bootstrap interval, beside the verdict alone and the self-confidence alone.
+  Does the verdict add anything to the likelihood, whose pick already ties or beats the
+  vote?
 - `temperature`: V evaluated again (sampled, verified, self-judged) at eval temperature T,
   nothing kept: does the vote or the judge gain from fewer sampling slips?
 """
@@ -84,6 +92,7 @@ class Samples:
             np.array([g.conf_score.values for _, g in groups]) if "conf_score" in table else None
         )
         self.answers = [[None if a is None else str(a) for a in g.answer.values] for _, g in groups]
+        self.lengths = np.array([g.num_tokens.values for _, g in groups], float)
         self.maj = np.array(
             [maj_at_k(a, list(c), K) for a, c in zip(self.answers, self.correct, strict=True)],
             float,
@@ -123,6 +132,45 @@ def vote(s: Samples) -> None:
             f"vote weighted by {name}: {won.mean():.3f}, - maj@{K} {100 * mean:+.1f} "
             f"[{100 * lo:+.1f}, {100 * hi:+.1f}] points (wins {(won > s.maj).sum()}, "
             f"losses {(won < s.maj).sum()})"
+        )
+
+
+def joint_scores(
+    conf: np.ndarray, lengths: np.ndarray, verdict: np.ndarray, how: str
+) -> dict[str, np.ndarray]:
+    """Scores to pick a sample by, [problems, n] each: the verdict P("y") alone, the
+    self-confidence alone (`how`: the run's eval.self_conf, "mean" or "sum" of the
+    sample's token log-probs), and log P(solution, "y") (the summed log-probs plus log
+    P("y")), whole and per token (over the sample's tokens and the verdict)."""
+    if how not in ("mean", "sum"):
+        raise ValueError(
+            f"eval.self_conf={how!r} cannot give a sample's summed log-probs; allowed: "
+            "'mean', 'sum'"
+        )
+    solution = conf * lengths if how == "mean" else conf
+    both = solution + np.log(np.clip(verdict, 1e-9, 1.0))
+    return {
+        "the verdict alone (Self-PRM)": verdict,
+        f"self-confidence alone ({how})": conf,
+        'log P(solution, "y")': both,
+        'log P(solution, "y") per token': both / (lengths + 1),
+    }
+
+
+def joint(run: Run, s: Samples) -> None:
+    if s.conf is None:
+        raise SystemExit("joint needs the run's self-confidence column (eval.self_conf)")
+    picks = joint_scores(s.conf, s.lengths, s.scores, run.config.eval.self_conf)
+    won = s.correct[:, :K].any(axis=1).mean()
+    print(f"v{s.version}: maj@{K} {s.maj.mean():.3f}, pass@{K} {won:.3f}")
+    for name, scores in picks.items():
+        best = s.best_of(scores)
+        mean, lo, hi = bootstrap_ci(best - s.maj)
+        auc = within_problem_auc(scores, s.correct).mean()
+        print(
+            f"{name}: AUC within a problem {auc:.3f}, best-of-{K} {best.mean():.3f}, - maj@{K} "
+            f"{100 * mean:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] points (wins "
+            f"{(best > s.maj).sum()}, losses {(best < s.maj).sum()})"
         )
 
 
@@ -256,7 +304,7 @@ def temperature(run: Run, version: int, value: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("need", "cross", "probe", "temperature", "vote"))
+    parser.add_argument("mode", choices=("need", "cross", "probe", "temperature", "vote", "joint"))
     parser.add_argument("run")
     parser.add_argument("--version", type=int, default=None)
     parser.add_argument("--judge", default="base")
@@ -276,6 +324,8 @@ def main() -> int:
         need(s)
     elif args.mode == "vote":
         vote(s)
+    elif args.mode == "joint":
+        joint(run, s)
     elif args.mode == "cross":
         fns, params = load(run, args.judge)
         tok = run_tokenizer(run)
