@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -36,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine import device_line  # noqa: E402
+from engine import best_of, device_line  # noqa: E402
 
 from pipeline.config import ModelConfig  # noqa: E402
 
@@ -71,17 +70,6 @@ def step_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     return per_layer * cfg.num_layers
 
 
-def _best(fn, repeats: int) -> float:
-    """Milliseconds of fn's fastest call (after one untimed call)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return 1e3 * min(times)
-
-
 def time_rows(
     shapes: list[tuple[int, int]], rows: int, dtype: str, repeats: int, seed: int = 0
 ) -> dict[str, float]:
@@ -106,7 +94,7 @@ def time_rows(
     def token_major(ws, xs):
         return [jnp.dot(xs[w.shape[0]], w, preferred_element_type=f32) for w in ws]
 
-    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    tdt = getattr(torch, dtype)  # DTYPES' names are torch's too
     w_t = [torch.from_numpy(w).to(tdt) for w in weights]
     x_t = {n: torch.from_numpy(np.ascontiguousarray(h.T)).to(tdt) for n, h in inputs.items()}
 
@@ -114,19 +102,22 @@ def time_rows(
         with torch.inference_mode():
             return [torch.nn.functional.linear(x_t[w.shape[1]], w) for w in w_t]
 
+    def ms(fn) -> float:  # best of `repeats` after an untimed call; torch is synchronous
+        return 1e3 * best_of(lambda: jax.block_until_ready(fn()), repeats)
+
     return {
-        "feature major": _best(lambda: feature_major(w_fm, h_fm), repeats),
-        "token major": _best(lambda: token_major(w_tm, h_tm), repeats),
-        "torch": _best(torch_linear, repeats),
+        "feature major": ms(lambda: feature_major(w_fm, h_fm)),
+        "token major": ms(lambda: token_major(w_tm, h_tm)),
+        "torch": ms(torch_linear),
     }
 
 
 def table(cfg: ModelConfig, rows: list[int], dtype: str, repeats: int) -> list[str]:
     shapes = step_shapes(cfg)
-    weight_bytes = sum(o * i for o, i in shapes) * jnp.dtype(DTYPES[dtype]).itemsize
+    weights = sum(o * i for o, i in shapes)
+    weight_bytes = weights * jnp.dtype(DTYPES[dtype]).itemsize
     lines = [
-        f"### {dtype}: {sum(o * i for o, i in shapes):,} weights, "
-        f"{weight_bytes / 2**20:.0f} MiB per step",
+        f"### {dtype}: {weights:,} weights, {weight_bytes / 2**20:.0f} MiB per step",
         "",
         "| rows | feature major ms | token major ms | torch ms | feature major GB/s "
         "| feature major ms per row |",

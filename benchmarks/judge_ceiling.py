@@ -115,6 +115,16 @@ class Samples:
             f"maj@{K} {self.maj.mean():.3f}, difference {diff:+.1f} points"
         )
 
+    def versus_vote(self, won: np.ndarray) -> str:
+        """`won` [problems] (a pick's or a weighted vote's correctness) - maj@K: the mean
+        with its paired 95% bootstrap interval over problems, in points, and the problems
+        won and lost against the vote."""
+        mean, lo, hi = bootstrap_ci(won - self.maj)
+        return (
+            f"- maj@{K} {100 * mean:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] points (wins "
+            f"{(won > self.maj).sum()}, losses {(won < self.maj).sum()})"
+        )
+
 
 def vote(s: Samples) -> None:
     p = np.clip(s.scores, 1e-6, 1 - 1e-6)
@@ -127,12 +137,7 @@ def vote(s: Samples) -> None:
             [weighted_vote(a, wi, c, K) for a, wi, c in zip(s.answers, w, s.correct, strict=True)],
             float,
         )
-        mean, lo, hi = bootstrap_ci(won - s.maj)
-        print(
-            f"vote weighted by {name}: {won.mean():.3f}, - maj@{K} {100 * mean:+.1f} "
-            f"[{100 * lo:+.1f}, {100 * hi:+.1f}] points (wins {(won > s.maj).sum()}, "
-            f"losses {(won < s.maj).sum()})"
-        )
+        print(f"vote weighted by {name}: {won.mean():.3f}, {s.versus_vote(won)}")
 
 
 def joint_scores(
@@ -165,12 +170,10 @@ def joint(run: Run, s: Samples) -> None:
     print(f"v{s.version}: maj@{K} {s.maj.mean():.3f}, pass@{K} {won:.3f}")
     for name, scores in picks.items():
         best = s.best_of(scores)
-        mean, lo, hi = bootstrap_ci(best - s.maj)
         auc = within_problem_auc(scores, s.correct).mean()
         print(
-            f"{name}: AUC within a problem {auc:.3f}, best-of-{K} {best.mean():.3f}, - maj@{K} "
-            f"{100 * mean:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] points (wins "
-            f"{(best > s.maj).sum()}, losses {(best < s.maj).sum()})"
+            f"{name}: AUC within a problem {auc:.3f}, best-of-{K} {best.mean():.3f}, "
+            f"{s.versus_vote(best)}"
         )
 
 

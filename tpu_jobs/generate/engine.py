@@ -573,19 +573,19 @@ class Engine:
     `kv_tokens`: the token budget of the page pool (rounded down to whole pages); None:
     max_slots rows of the model's max_seq_len (and a page each), so that no row is ever
     preempted. `row_buckets`: the row counts a chunk or prefill compiles for (None: powers
-    of 2 from 4 up to max_slots). `chunk`: the most decode steps a jitted chunk runs
-    (more: fewer host round trips; fewer: less work past a row's end when a chunk does
-    not end early). `detokenize`: token ids -> text, needed for `stop_strings`. `mesh`:
-    weights are placed by the mesh's rules and the pool is replicated on it (the slots
-    are not split over the data axis yet, docs/scaling.md). `check`: verify the pool's reference counts against
-    the rows after every chunk (tests). `decode_layout`: the decode steps' layout
-    (`tpu_jobs.generate.decode_layouts`; None: the platform's default, feature_major on
-    CPU for hidden sizes >= 256, as the static sampler). `resident_rows`: keep a chunk's
-    copy of its rows' cache for the next chunk over the same rows (`_arrange`) instead of
-    gathering it from the pages again; the same bytes either way, the copy's memory
-    (the live rows' cache) held between chunks. `profile`: wait for each prefill to finish
-    before the next phase, so that `stats`' seconds per phase are each phase's own
-    (otherwise a prefill's device time shows up in the admission that reads its logits)."""
+    of 2 from 4 up to max_slots). `chunk`: the most decode steps a jitted chunk runs (more:
+    fewer host round trips; fewer: less work past a row's end when a chunk does not end
+    early). `detokenize`: token ids -> text, needed for `stop_strings`. `mesh`: weights are
+    placed by the mesh's rules and the pool is replicated on it (the slots are not split
+    over the data axis yet, docs/scaling.md). `check`: verify the pool's reference counts
+    against the rows after every chunk (tests). `decode_layout`: the decode steps' layout
+    (`tpu_jobs.generate.decode_layouts`; None: the platform's default, feature_major on CPU
+    for hidden sizes >= 256, as the static sampler). `resident_rows`: keep a chunk's copy of
+    its rows' cache for the next chunk over the same rows (`_arrange`) instead of gathering
+    it from the pages again; the same bytes either way, the copy's memory (the live rows'
+    cache) held between chunks. `profile`: wait for each prefill to finish before the next
+    phase, so that `stats`' seconds per phase are each phase's own (otherwise a prefill's
+    device time shows up in the admission that reads its logits)."""
 
     def __init__(
         self,
