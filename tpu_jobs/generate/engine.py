@@ -1,8 +1,8 @@
 """A continuous-batching rollout engine: a fixed number of slots over a paged KV cache,
 decode in jitted chunks, refill between chunks, one prefill per prompt group, stop
 sequences and resumable requests. The default sampler of every job that samples
-(`tpu_jobs.generate.registry`); `tpu_jobs.generate.static_sampler.StaticSampler` (one static batch until its longest
-row ends) is the reference it is tested against.
+(`tpu_jobs.generate.registry`); `tpu_jobs.generate.static_sampler.StaticSampler` (one
+static batch until its longest row ends) is the reference it is tested against.
 
 How a call runs (`Engine.run`; `Engine.generate` is the static sampler's interface):
 
