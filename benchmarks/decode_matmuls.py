@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import best_of, device_line  # noqa: E402
 
 from pipeline.config import ModelConfig  # noqa: E402
+from tpu_jobs.model.transformer import DTYPES  # noqa: E402
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 READING = """Reading the tables:
 
 * At few rows a step streams every weight once: the GB/s column is the bandwidth the
